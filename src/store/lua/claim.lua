@@ -1,0 +1,27 @@
+-- Leases due messages of one partition; expired leases (dead workers) are due again first.
+-- KEYS: 1 due zset, 2 lease zset, 3 pending index, 4 in_flight index
+-- ARGV: 1 now ms, 2 limit, 3 lease ms, 4 partition key prefix
+local now = tonumber(ARGV[1])
+local limit = tonumber(ARGV[2])
+local lease_until = now + tonumber(ARGV[3])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
+for _, id in ipairs(expired) do
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZADD', KEYS[1], now, id)
+end
+local out = {}
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, limit)
+for _, id in ipairs(ids) do
+  local key = ARGV[4] .. 'm:' .. id
+  redis.call('ZREM', KEYS[1], id)
+  local f = redis.call('HMGET', key, 'rec', 'tries', 'rb', 'dl')
+  if f[1] then
+    local token = redis.call('HINCRBY', key, 'lease', 1)
+    redis.call('HSET', key, 'state', 'in_flight')
+    redis.call('ZADD', KEYS[2], lease_until, id)
+    redis.call('ZREM', KEYS[3], id)
+    redis.call('ZADD', KEYS[4], 0, id)
+    table.insert(out, {f[1], tostring(token), f[2], f[3], f[4]})
+  end
+end
+return out

@@ -1,0 +1,37 @@
+-- Records a delivery attempt and its consequence, if the caller still holds the lease.
+-- KEYS: 1 message hash, 2 attempts list, 3 lease zset, 4 due zset, 5 ordering queue,
+--       6 in_flight index, 7 pending index, 8 index of the final state (delivered/dead)
+-- ARGV: 1 id, 2 lease token, 3 outcome (delivered|retry|dead), 4 attempt json,
+--       5 next attempt ms, 6 now ms, 7 retention secs, 8 oldest id kept in indexes
+local id = ARGV[1]
+local cur = redis.call('HMGET', KEYS[1], 'state', 'lease', 'resume', 'again')
+if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[2] then
+  return 0
+end
+redis.call('ZREM', KEYS[3], id)
+redis.call('ZREM', KEYS[6], id)
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('HINCRBY', KEYS[1], 'tries', 1)
+local outcome = ARGV[3]
+if outcome == 'retry' or (outcome == 'delivered' and cur[4] == '1') then
+  -- a retry, or a resend that arrived while this attempt was in flight: stay at the head
+  local next_at = tonumber(ARGV[5])
+  local resume = tonumber(cur[3] or '0')
+  if outcome == 'delivered' then next_at = tonumber(ARGV[6]) end
+  if resume > next_at then next_at = resume end
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'resume', 0, 'again', 0)
+  redis.call('ZADD', KEYS[4], next_at, id)
+  redis.call('ZADD', KEYS[7], 0, id)
+  return 1
+end
+redis.call('HSET', KEYS[1], 'state', outcome, 'resume', 0, 'again', 0)
+redis.call('ZADD', KEYS[8], 0, id)
+redis.call('ZREMRANGEBYLEX', KEYS[8], '-', '(' .. ARGV[8])
+redis.call('EXPIRE', KEYS[1], ARGV[7])
+redis.call('EXPIRE', KEYS[2], ARGV[7])
+redis.call('LREM', KEYS[5], 1, id)
+local head = redis.call('LINDEX', KEYS[5], 0)
+if head then
+  redis.call('ZADD', KEYS[4], ARGV[6], head)
+end
+return 1

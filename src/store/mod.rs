@@ -1,0 +1,344 @@
+//! The Store trait: the only way the rest of callbackd reaches storage.
+//!
+//! Every method is one atomic step on the backend (a Lua script on Redis, a transaction on
+//! SQLite), and none reads the clock: `now` always comes from the caller, so tests can run
+//! seven days of retries on a virtual clock.
+//!
+//! Message lifecycle: `accept` records a message as `pending` and appends it to the queue of
+//! its ordering key. Only the head of each ordering queue is ever *due*, which is how
+//! per-payment order is kept while other keys flow freely. `claim_due` leases due messages
+//! (`in_flight`); `complete` records the attempt and either finishes the message (`delivered`,
+//! `dead`, which promotes the next message of the same key) or schedules its next attempt.
+
+pub mod ids;
+pub mod redis;
+pub mod sqlite;
+
+use std::collections::BTreeMap;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+pub use ids::MessageId;
+
+/// Milliseconds since the Unix epoch.
+pub type Millis = i64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store cannot be reached or refused the write: the caller answers 503 and the sender
+    /// retries. Nothing was recorded.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The store answered something this version does not understand (a bug or a foreign
+    /// writer). Also mapped to 503 rather than risking a wrong 2xx.
+    #[error("store data corrupt: {0}")]
+    Corrupt(String),
+}
+
+/// Inbound callback from a provider, or outbound notification from a connector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum MessageKind {
+    Inbound,
+    Notification,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageState {
+    /// Waiting for its next attempt (or for earlier messages of its ordering key).
+    Pending,
+    /// Leased by a worker that is delivering it now.
+    InFlight,
+    Delivered,
+    /// Gave up (410 Gone, or the delivery window ran out). Can be resent.
+    Dead,
+    /// Accepted from a source without `forward_url`: kept and listable, nothing to deliver.
+    Recorded,
+}
+
+impl MessageState {
+    pub const ALL: [MessageState; 5] = [
+        MessageState::Pending,
+        MessageState::InFlight,
+        MessageState::Delivered,
+        MessageState::Dead,
+        MessageState::Recorded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MessageState::Pending => "pending",
+            MessageState::InFlight => "in_flight",
+            MessageState::Delivered => "delivered",
+            MessageState::Dead => "dead",
+            MessageState::Recorded => "recorded",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<MessageState> {
+        MessageState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+/// The immutable part of a message, fixed at acceptance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewMessage {
+    pub id: MessageId,
+    pub kind: MessageKind,
+    /// Source name for inbound callbacks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// Payment id for notifications.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payment_id: Option<String>,
+    /// Provider transaction id for inbound callbacks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transaction_id: Option<String>,
+    /// Messages with equal ordering keys are delivered in acceptance order. Already scoped
+    /// (source + transaction id inbound, paymentId outbound), so it is unique across kinds.
+    pub ordering_key: String,
+    /// `X-Callback-Event` of the original request, forwarded as is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<String>,
+    /// Where it is delivered; `None` for a source without `forward_url` (state `recorded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_url: Option<String>,
+    /// Static headers sent with every attempt.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    /// The JSON body delivered, byte for byte.
+    pub body: String,
+    pub created_at: Millis,
+    /// No attempt is scheduled after this instant.
+    pub deadline: Millis,
+}
+
+/// A dedupe claim: the key is already hashed and scoped, and the response is what every
+/// replay of this key gets back, byte for byte.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim {
+    pub key: String,
+    pub ttl_secs: u64,
+    /// Hash of the request; a replay with a different one is a conflict (422). Empty for
+    /// inbound callbacks, whose key is derived from the body itself.
+    pub fingerprint: String,
+    pub response: String,
+}
+
+/// The payment status compare-and-set that goes with a notification.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PaymentTransition {
+    pub payment_id: String,
+    pub to: String,
+    /// Statuses the payment may be in for the transition to apply; a payment never seen is
+    /// `undefined`.
+    pub allowed_from: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct AcceptRequest {
+    pub claim: Claim,
+    pub message: NewMessage,
+    pub payment: Option<PaymentTransition>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum AcceptOutcome {
+    /// Claimed and recorded now.
+    Accepted,
+    /// The key was claimed before: the stored response, unchanged.
+    Replayed { response: String },
+    /// The key was claimed before by a request with another fingerprint.
+    Conflict,
+    /// The payment is in `from`, which does not allow the transition. Nothing was recorded.
+    InvalidTransition { from: String },
+}
+
+/// One row of a message's history: a delivery attempt or an operator's resend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Attempt {
+    /// `delivery` or `resend`.
+    pub kind: String,
+    /// Attempt number for deliveries (1-based), 0 for resend marks.
+    pub attempt: u32,
+    pub at: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// Error class when no HTTP status came back: `timeout`, `connect`, `refused_address`...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ms: Option<u64>,
+    /// The resend request id, for resend marks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+}
+
+/// A message leased to a worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claimed {
+    pub message: NewMessage,
+    /// Lease token: `complete` and `release` with a stale token are ignored, so a worker whose
+    /// lease expired cannot overwrite the outcome of the worker that took over.
+    pub token: u64,
+    /// Delivery attempts already recorded (the one about to be made is `attempts + 1`).
+    pub attempts: u32,
+    /// Failed attempts since the message was last (re)queued: the exponent of its backoff.
+    /// A resend of a finished message starts its backoff over.
+    pub backoff_step: u32,
+    /// Current deadline (a resend of a finished message opens a fresh window).
+    pub deadline: Millis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Completion {
+    Delivered,
+    Retry { next_at: Millis },
+    Dead,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MessageRecord {
+    pub message: NewMessage,
+    pub state: MessageState,
+    pub deadline: Millis,
+    /// Next attempt time while the message is due (head of its ordering queue).
+    pub next_attempt_at: Option<Millis>,
+    pub history: Vec<Attempt>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ListFilter {
+    pub state: Option<MessageState>,
+    pub source: Option<String>,
+    /// Exact ordering key (payment or source-scoped transaction).
+    pub ordering_key: Option<String>,
+    pub created_from: Option<Millis>,
+    pub created_to: Option<Millis>,
+    /// Return ids strictly greater than this one (ascending id = acceptance order).
+    pub after: Option<MessageId>,
+    pub limit: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page {
+    pub messages: Vec<MessageRecord>,
+    /// Pass as `after` for the next page; `None` when the scan reached the end.
+    pub next_after: Option<MessageId>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ResendEffect {
+    /// Finished (delivered or dead): pending again with a fresh window.
+    Requeued,
+    /// Pending and due: its next attempt was brought forward; its schedule then goes on.
+    Expedited,
+    /// Pending behind an earlier message of its key: it is delivered in its turn.
+    Queued,
+    /// In flight: delivered once more after the current attempt.
+    AfterCurrent,
+    /// Nothing to deliver to (`recorded`), or unknown id.
+    Skipped,
+}
+
+/// The answer to a resend `requestId`, so a repeated resend returns it and resends nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OperationReservation {
+    Fresh,
+    Done(String),
+    InProgress,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueDepth {
+    pub pending: u64,
+    pub in_flight: u64,
+    pub dead: u64,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims the dedupe key and records the message (and the payment transition) in one
+    /// atomic step. Either all of it is durable when this returns `Accepted`, or none of it.
+    async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError>;
+
+    /// Leases up to `limit` due messages until `now + lease_ms`; messages whose lease expired
+    /// (their worker died) are due again.
+    async fn claim_due(
+        &self,
+        now: Millis,
+        limit: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<Claimed>, StoreError>;
+
+    /// Records a delivery attempt and its consequence. Returns false when the lease was lost
+    /// (token stale), in which case nothing changed.
+    async fn complete(
+        &self,
+        claimed: &Claimed,
+        attempt: Attempt,
+        completion: Completion,
+        now: Millis,
+    ) -> Result<bool, StoreError>;
+
+    /// Gives a lease back without recording an attempt (shutdown, or the host is busy): the
+    /// message is due again at `next_at`.
+    async fn release(&self, claimed: &Claimed, next_at: Millis) -> Result<bool, StoreError>;
+
+    async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError>;
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError>;
+
+    /// Orders one more delivery of a message (see [`ResendEffect`]) and records the mark.
+    async fn resend(
+        &self,
+        id: &MessageId,
+        mark: Attempt,
+        fresh_deadline: Millis,
+        now: Millis,
+    ) -> Result<ResendEffect, StoreError>;
+
+    /// Reserves an operation id (a resend `requestId`) for `ttl_secs` while it runs.
+    async fn reserve_operation(
+        &self,
+        key: &str,
+        ttl_secs: u64,
+    ) -> Result<OperationReservation, StoreError>;
+
+    /// Stores the final answer of a reserved operation for `ttl_secs`.
+    async fn finish_operation(
+        &self,
+        key: &str,
+        response: &str,
+        ttl_secs: u64,
+    ) -> Result<(), StoreError>;
+
+    async fn payment_status(&self, payment_id: &str) -> Result<Option<String>, StoreError>;
+
+    async fn depth(&self) -> Result<QueueDepth, StoreError>;
+
+    /// Readiness: the store answers.
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Whether a record passes every filter of a listing (the parts an index did not answer).
+pub fn matches_filter(record: &MessageRecord, filter: &ListFilter) -> bool {
+    let m = &record.message;
+    filter.state.is_none_or(|s| s == record.state)
+        && filter
+            .source
+            .as_ref()
+            .is_none_or(|s| m.source.as_ref() == Some(s))
+        && filter
+            .ordering_key
+            .as_ref()
+            .is_none_or(|k| *k == m.ordering_key)
+        && filter.created_from.is_none_or(|f| m.created_at >= f)
+        && filter.created_to.is_none_or(|t| m.created_at <= t)
+}

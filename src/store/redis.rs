@@ -1,0 +1,651 @@
+//! Redis backend: one Lua script (one round trip, one atomic step) per state change.
+//!
+//! Key layout, ready for Redis Cluster: every key of a message lives under the hash tag of its
+//! partition, `cb:{pNN}:`, derived from the ordering key, so each script touches one slot.
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `d:<hash>` | string | dedupe claim: fingerprint `\n` stored response, 30-day TTL |
+//! | `m:<id>` | hash | message record and mutable state (state, tries, lease token, deadline) |
+//! | `a:<id>` | list | attempt history (JSON rows) |
+//! | `q:<hash>` | list | ids of one ordering key not yet finished; only the head is due |
+//! | `due` | zset | due heads scored by next attempt time |
+//! | `lease` | zset | in-flight ids scored by lease expiry |
+//! | `ix`, `ix:<state>`, `ix:k:<hash>` | zset (lex) | ids for listing: all, by state, by key |
+//! | `pay:<hash>` | string | payment status for the compare-and-set |
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{AsyncCommands, Script, Value};
+
+use super::ids::{PARTITIONS, partition_of};
+use super::{
+    AcceptOutcome, AcceptRequest, Attempt, Claimed, Completion, ListFilter, MessageId,
+    MessageRecord, MessageState, Millis, NewMessage, OperationReservation, Page, QueueDepth,
+    ResendEffect, Store, StoreError, matches_filter,
+};
+use crate::digest::short_hash;
+
+/// What `CONFIG GET appendonly` said at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persistence {
+    AppendOnly,
+    Off,
+    /// CONFIG is disabled (managed Redis): cannot tell.
+    Unknown,
+}
+
+struct Scripts {
+    accept: Script,
+    claim: Script,
+    complete: Script,
+    release: Script,
+    resend: Script,
+}
+
+impl Scripts {
+    fn new() -> Scripts {
+        Scripts {
+            accept: Script::new(include_str!("lua/accept.lua")),
+            claim: Script::new(include_str!("lua/claim.lua")),
+            complete: Script::new(include_str!("lua/complete.lua")),
+            release: Script::new(include_str!("lua/release.lua")),
+            resend: Script::new(include_str!("lua/resend.lua")),
+        }
+    }
+}
+
+pub struct RedisStore {
+    conn: ConnectionManager,
+    scripts: Scripts,
+    /// How long finished messages, their history and dedupe claims are kept.
+    retention_secs: u64,
+}
+
+fn unavailable(e: redis::RedisError) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+/// Key names of one partition.
+struct Keys(String);
+
+impl Keys {
+    fn of_partition(partition: u8) -> Keys {
+        Keys(format!("cb:{{p{partition:02}}}:"))
+    }
+    fn of_id(id: &MessageId) -> Keys {
+        Keys::of_partition(id.partition())
+    }
+    fn of_ordering_key(ordering_key: &str) -> Keys {
+        Keys::of_partition(partition_of(ordering_key))
+    }
+    fn prefix(&self) -> &str {
+        &self.0
+    }
+    fn key(&self, suffix: &str) -> String {
+        format!("{}{suffix}", self.0)
+    }
+    fn dedupe(&self, claim_key: &str) -> String {
+        self.key(&format!("d:{claim_key}"))
+    }
+    fn message(&self, id: &MessageId) -> String {
+        self.key(&format!("m:{id}"))
+    }
+    fn attempts(&self, id: &MessageId) -> String {
+        self.key(&format!("a:{id}"))
+    }
+    fn queue(&self, ordering_key: &str) -> String {
+        self.key(&format!("q:{}", short_hash(ordering_key.as_bytes())))
+    }
+    fn index_of_key(&self, ordering_key: &str) -> String {
+        self.key(&format!("ix:k:{}", short_hash(ordering_key.as_bytes())))
+    }
+    fn index(&self, state: Option<MessageState>) -> String {
+        match state {
+            None => self.key("ix"),
+            Some(s) => self.key(&format!("ix:{}", s.as_str())),
+        }
+    }
+    fn payment(&self, payment_id: &str) -> String {
+        self.key(&format!("pay:{}", short_hash(payment_id.as_bytes())))
+    }
+    fn due(&self) -> String {
+        self.key("due")
+    }
+    fn lease(&self) -> String {
+        self.key("lease")
+    }
+}
+
+fn operation_key(key: &str) -> String {
+    format!("cb:op:{}", short_hash(key.as_bytes()))
+}
+
+impl RedisStore {
+    /// Connects with a reconnecting connection manager: a Redis restart costs the requests in
+    /// flight at that moment (503, the sender retries), not the process.
+    pub async fn connect(
+        url: &str,
+        timeout: Duration,
+        retention_secs: u64,
+    ) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url).map_err(unavailable)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_secs(1));
+        let conn = tokio::time::timeout(
+            timeout,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| StoreError::Unavailable(format!("no answer from {url} within {timeout:?}")))?
+        .map_err(unavailable)?;
+        Ok(RedisStore {
+            conn,
+            scripts: Scripts::new(),
+            retention_secs,
+        })
+    }
+
+    /// `CONFIG GET appendonly`. Managed Redis often disables CONFIG; that is not an error.
+    pub async fn persistence(&self) -> Result<Persistence, StoreError> {
+        let mut conn = self.conn.clone();
+        let reply: redis::RedisResult<HashMap<String, String>> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("appendonly")
+            .query_async(&mut conn)
+            .await;
+        match reply {
+            Ok(map) => Ok(match map.get("appendonly").map(String::as_str) {
+                Some("yes") => Persistence::AppendOnly,
+                Some(_) => Persistence::Off,
+                None => Persistence::Unknown,
+            }),
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
+                Ok(Persistence::Unknown)
+            }
+            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                Err(unavailable(e))
+            }
+            Err(_) => Ok(Persistence::Unknown),
+        }
+    }
+
+    fn oldest_kept(&self, now: Millis) -> String {
+        MessageId::lower_bound(now - self.retention_secs as i64 * 1000).to_string()
+    }
+
+    async fn load_records(&self, ids: &[MessageId]) -> Result<Vec<MessageRecord>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for id in ids {
+            let keys = Keys::of_id(id);
+            pipe.hgetall(keys.message(id))
+                .lrange(keys.attempts(id), 0, -1)
+                .zscore(keys.due(), id.as_str());
+        }
+        let mut conn = self.conn.clone();
+        let replies: Vec<Value> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
+        let mut records = Vec::with_capacity(ids.len());
+        for chunk in replies.chunks(3) {
+            let [fields, history, due] = chunk else {
+                return Err(corrupt("short pipeline reply"));
+            };
+            let fields: HashMap<String, String> =
+                redis::from_redis_value_ref(fields).map_err(|e| corrupt(e))?;
+            let Some(rec) = fields.get("rec") else {
+                continue;
+            };
+            let message: NewMessage = serde_json::from_str(rec).map_err(corrupt)?;
+            let state = fields
+                .get("state")
+                .and_then(|s| MessageState::parse(s))
+                .ok_or_else(|| corrupt(format!("message {} has no valid state", message.id)))?;
+            let history: Vec<String> = redis::from_redis_value_ref(history).map_err(corrupt)?;
+            let history = history
+                .iter()
+                .map(|row| serde_json::from_str::<Attempt>(row).map_err(corrupt))
+                .collect::<Result<Vec<_>, _>>()?;
+            let next_attempt_at: Option<f64> = redis::from_redis_value_ref(due).map_err(corrupt)?;
+            let deadline = fields
+                .get("dl")
+                .and_then(|d| d.parse().ok())
+                .unwrap_or(message.deadline);
+            records.push(MessageRecord {
+                message,
+                state,
+                deadline,
+                next_attempt_at: next_attempt_at.map(|s| s as Millis),
+                history,
+            });
+        }
+        Ok(records)
+    }
+
+    /// Up to `limit` ids above `after` (and below `before`), merged over the partitions.
+    async fn scan_ids(
+        &self,
+        filter: &ListFilter,
+        after: Option<&MessageId>,
+        limit: usize,
+    ) -> Result<Vec<MessageId>, StoreError> {
+        let min = match (after, filter.created_from) {
+            (Some(a), Some(f)) if MessageId::lower_bound(f) > *a => {
+                format!("[{}", MessageId::lower_bound(f))
+            }
+            (Some(a), _) => format!("({a}"),
+            (None, Some(f)) => format!("[{}", MessageId::lower_bound(f)),
+            (None, None) => "-".to_string(),
+        };
+        let max = match filter.created_to {
+            Some(t) => format!("({}", MessageId::lower_bound(t + 1)),
+            None => "+".to_string(),
+        };
+        let indexes: Vec<String> = match &filter.ordering_key {
+            Some(k) => vec![Keys::of_ordering_key(k).index_of_key(k)],
+            None => (0..PARTITIONS)
+                .map(|p| Keys::of_partition(p).index(filter.state))
+                .collect(),
+        };
+        let mut pipe = redis::pipe();
+        for index in &indexes {
+            pipe.cmd("ZRANGE")
+                .arg(index)
+                .arg(&min)
+                .arg(&max)
+                .arg("BYLEX")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit);
+        }
+        let mut conn = self.conn.clone();
+        let pages: Vec<Vec<String>> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
+        let mut ids: Vec<MessageId> = pages
+            .into_iter()
+            .flatten()
+            .filter_map(|s| MessageId::parse(&s))
+            .collect();
+        ids.sort();
+        ids.truncate(limit);
+        Ok(ids)
+    }
+
+    /// Runs one script per partition in a single pipelined round trip. Scripts are not in
+    /// the server's cache after a Redis restart, so a NOSCRIPT reply loads them and retries.
+    async fn claim_all_partitions(
+        &self,
+        now: Millis,
+        per_partition: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<Value>, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..PARTITIONS {
+            let keys = Keys::of_partition(p);
+            pipe.cmd("EVALSHA")
+                .arg(self.scripts.claim.get_hash())
+                .arg(4)
+                .arg(keys.due())
+                .arg(keys.lease())
+                .arg(keys.index(Some(MessageState::Pending)))
+                .arg(keys.index(Some(MessageState::InFlight)))
+                .arg(now)
+                .arg(per_partition)
+                .arg(lease_ms)
+                .arg(keys.prefix());
+        }
+        let mut conn = self.conn.clone();
+        match pipe.query_async::<Vec<Value>>(&mut conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.scripts
+                    .claim
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(unavailable)?;
+                pipe.query_async(&mut conn).await.map_err(unavailable)
+            }
+            other => other.map_err(unavailable),
+        }
+    }
+}
+
+fn parse_claimed(row: Value) -> Result<Claimed, StoreError> {
+    let (rec, token, tries, rb, deadline): (String, u64, u32, u32, Millis) =
+        redis::from_redis_value(row).map_err(corrupt)?;
+    let message: NewMessage = serde_json::from_str(&rec).map_err(corrupt)?;
+    Ok(Claimed {
+        message,
+        token,
+        attempts: tries,
+        backoff_step: tries.saturating_sub(rb),
+        deadline,
+    })
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
+        let msg = &req.message;
+        let keys = Keys::of_id(&msg.id);
+        let initial = if msg.target_url.is_some() {
+            MessageState::Pending
+        } else {
+            MessageState::Recorded
+        };
+        let payment_key = match &req.payment {
+            Some(p) => keys.payment(&p.payment_id),
+            None => keys.payment(""),
+        };
+        let (to, allowed) = match &req.payment {
+            Some(p) => (p.to.clone(), p.allowed_from.join(" ")),
+            None => (String::new(), String::new()),
+        };
+        let record = serde_json::to_string(msg).map_err(corrupt)?;
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = self
+            .scripts
+            .accept
+            .key(keys.dedupe(&req.claim.key))
+            .key(keys.message(&msg.id))
+            .key(keys.queue(&msg.ordering_key))
+            .key(keys.due())
+            .key(keys.index(None))
+            .key(keys.index(Some(initial)))
+            .key(keys.index_of_key(&msg.ordering_key))
+            .key(payment_key)
+            .arg(req.claim.ttl_secs)
+            .arg(&req.claim.fingerprint)
+            .arg(&req.claim.response)
+            .arg(msg.id.as_str())
+            .arg(record)
+            .arg(now)
+            .arg(msg.deadline)
+            .arg(initial.as_str())
+            .arg(to)
+            .arg(allowed)
+            .arg(self.oldest_kept(now))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(unavailable)?;
+        match reply.as_slice() {
+            [ok] if ok == "ok" => Ok(AcceptOutcome::Accepted),
+            [dup, response] if dup == "dup" => Ok(AcceptOutcome::Replayed {
+                response: response.clone(),
+            }),
+            [c] if c == "conflict" => Ok(AcceptOutcome::Conflict),
+            [t, from] if t == "transition" => Ok(AcceptOutcome::InvalidTransition {
+                from: from.clone(),
+            }),
+            other => Err(corrupt(format!("accept script answered {other:?}"))),
+        }
+    }
+
+    async fn claim_due(
+        &self,
+        now: Millis,
+        limit: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<Claimed>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let per_partition = limit.div_ceil(PARTITIONS as usize).max(1);
+        let pages = self
+            .claim_all_partitions(now, per_partition, lease_ms)
+            .await?;
+        let mut claimed = Vec::new();
+        for page in pages {
+            let rows: Vec<Value> = redis::from_redis_value(page).map_err(corrupt)?;
+            for row in rows {
+                claimed.push(parse_claimed(row)?);
+            }
+        }
+        Ok(claimed)
+    }
+
+    async fn complete(
+        &self,
+        claimed: &Claimed,
+        attempt: Attempt,
+        completion: Completion,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        let id = &claimed.message.id;
+        let keys = Keys::of_id(id);
+        let (outcome, next_at, final_state) = match completion {
+            Completion::Delivered => ("delivered", now, MessageState::Delivered),
+            Completion::Retry { next_at } => ("retry", next_at, MessageState::Dead),
+            Completion::Dead => ("dead", now, MessageState::Dead),
+        };
+        let attempt = serde_json::to_string(&attempt).map_err(corrupt)?;
+        let mut conn = self.conn.clone();
+        let done: i64 = self
+            .scripts
+            .complete
+            .key(keys.message(id))
+            .key(keys.attempts(id))
+            .key(keys.lease())
+            .key(keys.due())
+            .key(keys.queue(&claimed.message.ordering_key))
+            .key(keys.index(Some(MessageState::InFlight)))
+            .key(keys.index(Some(MessageState::Pending)))
+            .key(keys.index(Some(final_state)))
+            .arg(id.as_str())
+            .arg(claimed.token)
+            .arg(outcome)
+            .arg(attempt)
+            .arg(next_at)
+            .arg(now)
+            .arg(self.retention_secs)
+            .arg(self.oldest_kept(now))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(unavailable)?;
+        Ok(done == 1)
+    }
+
+    async fn release(&self, claimed: &Claimed, next_at: Millis) -> Result<bool, StoreError> {
+        let id = &claimed.message.id;
+        let keys = Keys::of_id(id);
+        let mut conn = self.conn.clone();
+        let done: i64 = self
+            .scripts
+            .release
+            .key(keys.message(id))
+            .key(keys.lease())
+            .key(keys.due())
+            .key(keys.index(Some(MessageState::InFlight)))
+            .key(keys.index(Some(MessageState::Pending)))
+            .arg(id.as_str())
+            .arg(claimed.token)
+            .arg(next_at)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(unavailable)?;
+        Ok(done == 1)
+    }
+
+    async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError> {
+        Ok(self.load_records(std::slice::from_ref(id)).await?.pop())
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
+        let limit = filter.limit.max(1);
+        // Filters the indexes cannot answer (source, or state within one key's index) are
+        // applied to loaded records; the scan is bounded so a sparse filter cannot make one
+        // page read the whole keyspace: the caller continues from `next_after`.
+        let max_scanned = limit * 10;
+        let mut scanned = 0;
+        let mut after = filter.after.clone();
+        let mut messages = Vec::new();
+        loop {
+            let ids = self.scan_ids(filter, after.as_ref(), limit).await?;
+            let exhausted = ids.len() < limit;
+            scanned += ids.len();
+            if let Some(last) = ids.last() {
+                after = Some(last.clone());
+            }
+            for record in self.load_records(&ids).await? {
+                if matches_filter(&record, filter) && messages.len() < limit {
+                    after = Some(record.message.id.clone());
+                    messages.push(record);
+                }
+            }
+            if exhausted {
+                return Ok(Page {
+                    messages,
+                    next_after: None,
+                });
+            }
+            if messages.len() >= limit || scanned >= max_scanned {
+                return Ok(Page {
+                    messages,
+                    next_after: after,
+                });
+            }
+        }
+    }
+
+    async fn resend(
+        &self,
+        id: &MessageId,
+        mark: Attempt,
+        fresh_deadline: Millis,
+        now: Millis,
+    ) -> Result<ResendEffect, StoreError> {
+        let Some(ordering_key) = self.ordering_key_of(id).await? else {
+            return Ok(ResendEffect::Skipped);
+        };
+        let keys = Keys::of_id(id);
+        let mark = serde_json::to_string(&mark).map_err(corrupt)?;
+        let mut conn = self.conn.clone();
+        let effect: String = self
+            .scripts
+            .resend
+            .key(keys.message(id))
+            .key(keys.attempts(id))
+            .key(keys.due())
+            .key(keys.queue(&ordering_key))
+            .key(keys.index(Some(MessageState::Pending)))
+            .key(keys.index(Some(MessageState::Delivered)))
+            .key(keys.index(Some(MessageState::Dead)))
+            .arg(id.as_str())
+            .arg(mark)
+            .arg(fresh_deadline)
+            .arg(now)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(unavailable)?;
+        Ok(match effect.as_str() {
+            "requeued" => ResendEffect::Requeued,
+            "expedited" => ResendEffect::Expedited,
+            "queued" => ResendEffect::Queued,
+            "after_current" => ResendEffect::AfterCurrent,
+            _ => ResendEffect::Skipped,
+        })
+    }
+
+    async fn reserve_operation(
+        &self,
+        key: &str,
+        ttl_secs: u64,
+    ) -> Result<OperationReservation, StoreError> {
+        let key = operation_key(key);
+        let mut conn = self.conn.clone();
+        let set: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg("P")
+            .arg("NX")
+            .arg("EX")
+            .arg(ttl_secs)
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable)?;
+        if set.is_some() {
+            return Ok(OperationReservation::Fresh);
+        }
+        let value: Option<String> = conn.get(&key).await.map_err(unavailable)?;
+        Ok(match value.as_deref().and_then(|v| v.strip_prefix('D')) {
+            Some(done) => OperationReservation::Done(done.to_string()),
+            None => OperationReservation::InProgress,
+        })
+    }
+
+    async fn finish_operation(
+        &self,
+        key: &str,
+        response: &str,
+        ttl_secs: u64,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        conn.set_ex::<_, _, ()>(operation_key(key), format!("D{response}"), ttl_secs)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn payment_status(&self, payment_id: &str) -> Result<Option<String>, StoreError> {
+        let ordering_key = crate::payment::ordering_key(payment_id);
+        let mut conn = self.conn.clone();
+        conn.get(Keys::of_ordering_key(&ordering_key).payment(payment_id))
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn depth(&self) -> Result<QueueDepth, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..PARTITIONS {
+            let keys = Keys::of_partition(p);
+            for state in [
+                MessageState::Pending,
+                MessageState::InFlight,
+                MessageState::Dead,
+            ] {
+                pipe.zcard(keys.index(Some(state)));
+            }
+        }
+        let mut conn = self.conn.clone();
+        let counts: Vec<u64> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
+        let mut depth = QueueDepth::default();
+        for chunk in counts.chunks(3) {
+            depth.pending += chunk[0];
+            depth.in_flight += chunk[1];
+            depth.dead += chunk[2];
+        }
+        Ok(depth)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        redis::cmd("PING")
+            .query_async::<String>(&mut conn)
+            .await
+            .map(|_| ())
+            .map_err(unavailable)
+    }
+}
+
+impl RedisStore {
+    async fn ordering_key_of(&self, id: &MessageId) -> Result<Option<String>, StoreError> {
+        let mut conn = self.conn.clone();
+        let rec: Option<String> = conn
+            .hget(Keys::of_id(id).message(id), "rec")
+            .await
+            .map_err(unavailable)?;
+        rec.map(|r| {
+            serde_json::from_str::<NewMessage>(&r)
+                .map(|m| m.ordering_key)
+                .map_err(corrupt)
+        })
+        .transpose()
+    }
+}

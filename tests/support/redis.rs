@@ -1,0 +1,134 @@
+//! A private `redis-server` per test: free port, temp dir, AOF on, so a test can restart or
+//! kill it without touching anyone else's data.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct RedisServer {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    appendfsync: &'static str,
+}
+
+impl RedisServer {
+    /// Starts a server with `appendonly yes` and `appendfsync always`.
+    pub fn start() -> RedisServer {
+        Self::start_with("always")
+    }
+
+    pub fn start_with(appendfsync: &'static str) -> RedisServer {
+        let dir = tempfile::tempdir().expect("temp dir for redis");
+        let port = free_port();
+        let mut server = RedisServer {
+            port,
+            dir,
+            child: None,
+            appendfsync,
+        };
+        server.spawn();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .arg("--port")
+            .arg(self.port.to_string())
+            .arg("--bind")
+            .arg("127.0.0.1")
+            .arg("--dir")
+            .arg(self.dir.path())
+            .arg("--appendonly")
+            .arg("yes")
+            .arg("--appendfsync")
+            .arg(self.appendfsync)
+            .arg("--save")
+            .arg("")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start `redis-server` ({e}): the tests need Redis 7 on PATH \
+                     (Debian: apt-get install redis-server)"
+                )
+            });
+        self.child = Some(child);
+        wait_for_port(self.port, true);
+    }
+
+    /// Stops the server (SIGKILL when `kill`, else a clean shutdown that finishes the AOF).
+    pub fn stop(&mut self, kill: bool) {
+        if let Some(mut child) = self.child.take() {
+            if kill {
+                let _ = child.kill();
+            } else {
+                let _ = Command::new("redis-cli")
+                    .args(["-p", &self.port.to_string(), "shutdown"])
+                    .output();
+            }
+            let _ = child.wait();
+            wait_for_port(self.port, false);
+        }
+    }
+
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        self.spawn();
+    }
+
+    /// Runs a redis-cli command against this server and returns its stdout.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli on PATH");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop(true);
+    }
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free local port")
+}
+
+fn wait_for_port(port: u16, up: bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let open = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        if open == up {
+            if up {
+                // Accepting connections is not yet loading the AOF: wait for PING.
+                let ping = Command::new("redis-cli")
+                    .args(["-p", &port.to_string(), "ping"])
+                    .output();
+                if ping.map(|o| o.stdout.starts_with(b"PONG")).unwrap_or(false) {
+                    return;
+                }
+            } else {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("redis on port {port} did not become {}", if up { "ready" } else { "stopped" });
+}
