@@ -37,7 +37,7 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub server: ServerConfig,
@@ -46,19 +46,6 @@ pub struct Config {
     pub dispatch: DispatchConfig,
     pub log: LogConfig,
     pub sources: BTreeMap<String, SourceConfig>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            server: ServerConfig::default(),
-            store: StoreConfig::default(),
-            auth: AuthConfig::default(),
-            dispatch: DispatchConfig::default(),
-            log: LogConfig::default(),
-            sources: BTreeMap::new(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

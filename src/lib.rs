@@ -1,6 +1,122 @@
+//! callbackd: makes payment callbacks safe to retry. This file wires the parts together.
+
+pub mod app;
+pub mod clock;
 pub mod config;
 pub mod digest;
 pub mod dispatch;
+pub mod error;
+pub mod http;
 pub mod inbound;
+pub mod metrics;
 pub mod payment;
 pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use app::App;
+use clock::Clock;
+use config::{Config, StoreLocation};
+use dispatch::Dispatcher;
+use store::redis::{Persistence, RedisStore};
+use store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(
+        "Redis has no persistence (appendonly no) and store.require_durable = true: \
+         enable AOF (appendonly yes) or set store.require_durable = false"
+    )]
+    NotDurable,
+    #[error("{0}")]
+    Setup(String),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Opens the configured store and checks it is fit to acknowledge callbacks.
+pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
+    let location = config
+        .store_location()
+        .map_err(|e| StartError::Setup(e.to_string()))?;
+    let retention = config.store.dedupe_ttl_secs;
+    match location {
+        StoreLocation::Sqlite(path) => Err(StartError::Setup(format!("{} {retention}", path.display()))),
+        StoreLocation::Redis(url) => {
+            let timeout = Duration::from_millis(config.store.timeout_ms);
+            let store = RedisStore::connect(&url, timeout, retention).await?;
+            match store.persistence().await? {
+                Persistence::AppendOnly => {}
+                Persistence::Off if config.store.require_durable => {
+                    return Err(StartError::NotDurable);
+                }
+                Persistence::Off => tracing::warn!(
+                    "Redis runs without AOF (appendonly no): acknowledged callbacks are lost if \
+                     Redis restarts. Enable appendonly yes, or set store.require_durable = true \
+                     to refuse to start like this"
+                ),
+                Persistence::Unknown => tracing::warn!(
+                    "cannot read Redis persistence settings (CONFIG disabled?): make sure AOF is on"
+                ),
+            }
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+/// Builds the shared state: config, store, clock.
+pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, StartError> {
+    let store = open_store(&config).await?;
+    Ok(Arc::new(
+        App::new(config, store, clock).map_err(StartError::Setup)?,
+    ))
+}
+
+/// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) until
+/// `shutdown` is cancelled; then stops accepting, lets in-flight requests and deliveries
+/// finish within `server.shutdown_grace_secs`, and hands unfinished leases back.
+pub async fn serve(
+    app: Arc<App>,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let grace = Duration::from_secs(app.config.server.shutdown_grace_secs);
+    let dispatcher = if app.config.dispatch.enabled {
+        let d = Dispatcher::new(
+            &app.config,
+            app.store.clone(),
+            app.clock.clone(),
+            app.wake.clone(),
+        )
+        .map_err(|e| StartError::Setup(format!("HTTP client: {e}")))?;
+        Some(tokio::spawn(Arc::new(d).run(shutdown.clone(), grace)))
+    } else {
+        None
+    };
+    let router = http::router(app.clone());
+    let token = shutdown.clone();
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        token.cancelled().await;
+    });
+    let served = server.await;
+    if let Some(task) = dispatcher {
+        let _ = task.await;
+    }
+    served.map_err(StartError::Io)
+}
+
+/// `build` + `serve` with the system clock: what `callbackd serve` runs.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let app = build(config, Arc::new(clock::SystemClock)).await?;
+    serve(app, listener, shutdown).await
+}

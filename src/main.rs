@@ -1,3 +1,323 @@
-fn main() {
-    println!("Hello, world!");
+//! The `callbackd` command: run the server, check a config, or operate a running server
+//! through its admin API.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use callbackd::config::{Config, LogFormat};
+
+const ADMIN_TOKEN_ENV: &str = "CALLBACKD_ADMIN_TOKEN";
+const URL_ENV: &str = "CALLBACKD_URL";
+
+#[derive(Parser)]
+#[command(
+    name = "callbackd",
+    version,
+    about = "Makes payment callbacks safe to retry: verifies and dedupes provider callbacks, \
+             delivers connector notifications with retries for 7 days, lets operators replay.",
+    after_help = "Start with `callbackd check-config`, then `callbackd serve`.\n\
+                  Config: --config PATH, else $CALLBACKD_CONFIG, else ./config.toml; any key can be \
+                  overridden by CALLBACKD__SECTION__KEY (e.g. CALLBACKD__STORE__URL=redis://127.0.0.1:6379/0)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct ConfigArg {
+    /// Config file [default: $CALLBACKD_CONFIG, else ./config.toml]
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct Remote {
+    /// Base URL of a running callbackd
+    #[arg(long, env = URL_ENV, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Admin token (one of auth.admin_tokens); read from the environment so it stays out of
+    /// shell history and process lists
+    #[arg(long = "token-env", default_value = ADMIN_TOKEN_ENV, value_name = "VAR")]
+    token_env: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the HTTP server and the delivery workers until SIGTERM or Ctrl-C
+    Serve(ConfigArg),
+    /// Load and validate the config, print a summary, exit 0 (or 2 naming the bad key)
+    CheckConfig(ConfigArg),
+    /// Inspect messages of a running server (needs $CALLBACKD_ADMIN_TOKEN)
+    Messages {
+        #[command(subcommand)]
+        command: MessagesCommand,
+    },
+    /// Deliver messages once more. Examples:
+    ///   callbackd resend --id msg_0192...
+    ///   callbackd resend --payment-id pay-123
+    ///   callbackd resend --from 2026-11-30T00:00:00Z --to 2026-11-30T12:00:00Z --state dead
+    /// Give --request-id to make a retried command resend nothing twice.
+    #[command(verbatim_doc_comment)]
+    Resend {
+        #[command(flatten)]
+        remote: Remote,
+        /// Message id; repeat for several
+        #[arg(long = "id")]
+        ids: Vec<String>,
+        #[arg(long)]
+        payment_id: Option<String>,
+        #[arg(long)]
+        transaction_id: Option<String>,
+        /// Window start, ISO-8601
+        #[arg(long)]
+        from: Option<String>,
+        /// Window end, ISO-8601
+        #[arg(long)]
+        to: Option<String>,
+        /// Narrow the selection to one source
+        #[arg(long)]
+        source: Option<String>,
+        /// Narrow the selection to one state (dead, delivered, pending, ...)
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        request_id: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum MessagesCommand {
+    /// List messages, oldest first; prints JSON with `nextCursor` for the next page
+    List {
+        #[command(flatten)]
+        remote: Remote,
+        /// pending, in_flight, delivered, dead or recorded
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        source: Option<String>,
+        #[arg(long)]
+        payment_id: Option<String>,
+        #[arg(long)]
+        transaction_id: Option<String>,
+        /// Created at or after, ISO-8601
+        #[arg(long)]
+        from: Option<String>,
+        /// Created at or before, ISO-8601
+        #[arg(long)]
+        to: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Show one message with every delivery attempt
+    Show {
+        #[command(flatten)]
+        remote: Remote,
+        id: String,
+    },
+}
+
+fn load_config(arg: &ConfigArg) -> Result<Config, String> {
+    Config::load(arg.config.as_deref(), std::env::vars()).map_err(|e| e.to_string())
+}
+
+fn init_logging(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&config.log.level))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn serve(arg: ConfigArg) -> Result<(), String> {
+    let config = load_config(&arg)?;
+    init_logging(&config);
+    let listener = tokio::net::TcpListener::bind(config.server.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {} (server.listen): {e}", config.server.listen))?;
+    tracing::info!(listen = %config.server.listen, store = %store_kind(&config), "callbackd starting");
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    callbackd::run(config, listener, shutdown)
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::info!("callbackd stopped");
+    Ok(())
+}
+
+fn store_kind(config: &Config) -> &'static str {
+    match config.store_location() {
+        Ok(callbackd::config::StoreLocation::Sqlite(_)) => "sqlite",
+        Ok(callbackd::config::StoreLocation::Redis(_)) => "redis",
+        Err(_) => "invalid",
+    }
+}
+
+async fn cancel_on_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM");
+                    let _ = ctrl_c.await;
+                    token.cancel();
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested: finishing in-flight work");
+    token.cancel();
+}
+
+fn check_config(arg: ConfigArg) -> Result<(), String> {
+    let config = load_config(&arg)?;
+    println!(
+        "config OK: listen {}, store {} ({}), {} source(s): {}, {} connector token(s), {} admin token(s)",
+        config.server.listen,
+        store_kind(&config),
+        config.store.url.split('@').next_back().unwrap_or_default(),
+        config.sources.len(),
+        config.sources.keys().cloned().collect::<Vec<_>>().join(", "),
+        config.auth.connector_tokens.len(),
+        config.auth.admin_tokens.len(),
+    );
+    Ok(())
+}
+
+async fn call_admin(
+    remote: &Remote,
+    method: reqwest::Method,
+    path: &str,
+    query: &[(&str, String)],
+    body: Option<Value>,
+) -> Result<(), String> {
+    let token = std::env::var(&remote.token_env)
+        .map_err(|_| format!("set ${} to an admin token (auth.admin_tokens)", remote.token_env))?;
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(60))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let url = format!("{}{path}", remote.url.trim_end_matches('/'));
+    let mut request = client.request(method, &url).bearer_auth(token).query(query);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request
+        .send()
+        .await
+        .map_err(|e| format!("cannot reach {url}: {e}"))?;
+    let status = response.status();
+    let text = response.text().await.map_err(|e| e.to_string())?;
+    let pretty = serde_json::from_str::<Value>(&text)
+        .ok()
+        .and_then(|v| serde_json::to_string_pretty(&v).ok())
+        .unwrap_or(text);
+    if status.is_success() {
+        println!("{pretty}");
+        Ok(())
+    } else {
+        Err(format!("{status}: {pretty}"))
+    }
+}
+
+fn push(query: &mut Vec<(&'static str, String)>, name: &'static str, value: Option<String>) {
+    if let Some(v) = value {
+        query.push((name, v));
+    }
+}
+
+async fn messages(command: MessagesCommand) -> Result<(), String> {
+    match command {
+        MessagesCommand::List {
+            remote,
+            state,
+            source,
+            payment_id,
+            transaction_id,
+            from,
+            to,
+            limit,
+            cursor,
+        } => {
+            let mut q = vec![("limit", limit.to_string())];
+            push(&mut q, "state", state);
+            push(&mut q, "source", source);
+            push(&mut q, "paymentId", payment_id);
+            push(&mut q, "transactionId", transaction_id);
+            push(&mut q, "createdAtFrom", from);
+            push(&mut q, "createdAtTo", to);
+            push(&mut q, "cursor", cursor);
+            call_admin(&remote, reqwest::Method::GET, "/v1/messages", &q, None).await
+        }
+        MessagesCommand::Show { remote, id } => {
+            let path = format!("/v1/messages/{id}");
+            call_admin(&remote, reqwest::Method::GET, &path, &[], None).await
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(arg) => serve(arg).await,
+        Command::CheckConfig(arg) => check_config(arg),
+        Command::Messages { command } => messages(command).await,
+        Command::Resend {
+            remote,
+            ids,
+            payment_id,
+            transaction_id,
+            from,
+            to,
+            source,
+            state,
+            request_id,
+        } => {
+            let body = json!({
+                "messageIds": (!ids.is_empty()).then_some(ids),
+                "paymentId": payment_id,
+                "transactionId": transaction_id,
+                "createdAtFrom": from,
+                "createdAtTo": to,
+                "source": source,
+                "state": state,
+                "requestId": request_id,
+            });
+            let body = Value::Object(
+                body.as_object()
+                    .map(|o| o.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect())
+                    .unwrap_or_default(),
+            );
+            call_admin(&remote, reqwest::Method::POST, "/v1/admin/resend", &[], Some(body)).await
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("callbackd: {message}");
+            ExitCode::from(2)
+        }
+    }
 }

@@ -1,1 +1,348 @@
+//! The dispatcher: claim due messages with a lease, deliver each by HTTP, then ack,
+//! reschedule or dead-letter it in one store call.
+//!
+//! Nothing about a retry lives only in memory: the next attempt time is in the store, so a
+//! crash or restart loses nothing, and a worker that dies mid-delivery loses only its lease.
+//! Backpressure: a global semaphore (`dispatch.concurrency`) bounds in-flight deliveries, and
+//! a per-host one keeps a slow gateway from taking every permit; a message whose host is busy
+//! goes back to the queue for a second instead of holding a worker.
+
+pub mod delivery;
 pub mod schedule;
+pub mod ssrf;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::clock::Clock;
+use crate::config::{Config, DispatchConfig};
+use crate::metrics as m;
+use crate::store::{Attempt, Claimed, MessageKind, Store};
+use delivery::{AttemptResult, Verdict};
+use schedule::Backoff;
+
+/// How long an idle worker waits before polling the store again. Work accepted by this
+/// process wakes it at once; this only bounds the delay for work accepted by other processes
+/// sharing the store, and for retries coming due.
+const IDLE_POLL: Duration = Duration::from_millis(100);
+/// Most messages leased in one claim.
+const CLAIM_BATCH: usize = 256;
+/// When a message's host is at its concurrency cap, it is retried this much later.
+const HOST_BUSY_DELAY_MS: i64 = 1_000;
+/// Hosts whose semaphores are remembered; beyond that the idle ones are forgotten.
+const MAX_TRACKED_HOSTS: usize = 10_000;
+
+/// Per-source delivery settings that are read at delivery time, not stored with the message,
+/// so a rotated token or secret applies to messages already queued.
+#[derive(Clone, Default)]
+struct SourceDelivery {
+    headers: BTreeMap<String, String>,
+    signing_secret: Option<Vec<u8>>,
+}
+
+pub struct Dispatcher {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    client: reqwest::Client,
+    backoff: Backoff,
+    lease_ms: u64,
+    allow_private: bool,
+    per_host: usize,
+    permits: Arc<Semaphore>,
+    hosts: Mutex<HashMap<String, Arc<Semaphore>>>,
+    sources: HashMap<String, SourceDelivery>,
+    /// Claims being delivered, so shutdown can hand their leases back.
+    in_flight: Mutex<HashMap<String, Claimed>>,
+    wake: Arc<Notify>,
+}
+
+impl Dispatcher {
+    pub fn new(
+        config: &Config,
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        wake: Arc<Notify>,
+    ) -> Result<Dispatcher, reqwest::Error> {
+        let d: &DispatchConfig = &config.dispatch;
+        let guard = ssrf::SsrfGuard {
+            allow_private: d.allow_private_networks,
+        };
+        let timeout = Duration::from_millis(d.request_timeout_ms);
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(d.per_host_concurrency)
+            .dns_resolver(guard.resolver())
+            .user_agent(concat!("callbackd/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        let sources = config
+            .sources
+            .iter()
+            .map(|(name, s)| {
+                let signing_secret = s
+                    .forward_secret
+                    .as_deref()
+                    .and_then(|secret| crate::config::decode_whsec(secret).ok());
+                (
+                    name.clone(),
+                    SourceDelivery {
+                        headers: s.forward_headers.clone(),
+                        signing_secret,
+                    },
+                )
+            })
+            .collect();
+        Ok(Dispatcher {
+            store,
+            clock,
+            client,
+            backoff: Backoff {
+                initial_ms: d.initial_backoff_ms,
+                max_ms: d.max_backoff_secs.saturating_mul(1000),
+            },
+            lease_ms: d.lease_secs.saturating_mul(1000),
+            allow_private: d.allow_private_networks,
+            per_host: d.per_host_concurrency,
+            permits: Arc::new(Semaphore::new(d.concurrency)),
+            hosts: Mutex::new(HashMap::new()),
+            sources,
+            in_flight: Mutex::new(HashMap::new()),
+            wake,
+        })
+    }
+
+    /// Claims what is due now (up to the free permits) and starts delivering it in `tasks`.
+    /// Returns how many messages were claimed.
+    async fn claim_and_spawn(self: &Arc<Self>, tasks: &mut JoinSet<()>) -> usize {
+        let free = self.permits.available_permits().min(CLAIM_BATCH);
+        if free == 0 {
+            return 0;
+        }
+        let now = self.clock.now_ms();
+        let claimed = match self.store.claim_due(now, free, self.lease_ms).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot claim due messages");
+                return 0;
+            }
+        };
+        let count = claimed.len();
+        for c in claimed {
+            // Only this loop takes permits, and it asked for at most the free ones; a
+            // claimed message beyond them (a store answering more than asked) waits.
+            let permit = match self.permits.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => match self.permits.clone().acquire_owned().await {
+                    Ok(p) => p,
+                    Err(_) => return count,
+                },
+            };
+            self.track(&c);
+            let this = Arc::clone(self);
+            let span = tracing::info_span!("delivery", message_id = %c.message.id, attempt = c.attempts + 1);
+            tasks.spawn(async move { this.deliver(c, permit).await }.instrument(span));
+        }
+        count
+    }
+
+    /// Claims and delivers everything due at the clock's current time, and waits for it.
+    /// Tests drive the dispatcher with this on a virtual clock.
+    pub async fn tick(self: &Arc<Self>) -> usize {
+        let mut tasks = JoinSet::new();
+        let mut total = 0;
+        loop {
+            let n = self.claim_and_spawn(&mut tasks).await;
+            total += n;
+            if n == 0 {
+                break;
+            }
+            while tasks.join_next().await.is_some() {}
+        }
+        while tasks.join_next().await.is_some() {}
+        total
+    }
+
+    /// Runs until `shutdown`, then waits up to `grace` for in-flight deliveries and gives
+    /// the leases of unfinished ones back, so another process can take them at once.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken, grace: Duration) {
+        let mut tasks = JoinSet::new();
+        while !shutdown.is_cancelled() {
+            let claimed = self.claim_and_spawn(&mut tasks).await;
+            while tasks.try_join_next().is_some() {}
+            if claimed > 0 && self.permits.available_permits() > 0 {
+                continue;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(IDLE_POLL) => {}
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+        let drained = tokio::time::timeout(grace, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+        }
+        self.release_unfinished().await;
+    }
+
+    async fn release_unfinished(&self) {
+        let unfinished: Vec<Claimed> = self
+            .in_flight
+            .lock()
+            .map(|mut m| m.drain().map(|(_, c)| c).collect())
+            .unwrap_or_default();
+        let now = self.clock.now_ms();
+        for c in unfinished {
+            match self.store.release(&c, now).await {
+                Ok(_) => tracing::info!(message_id = %c.message.id, "lease released at shutdown"),
+                Err(e) => tracing::warn!(message_id = %c.message.id, error = %e,
+                    "cannot release lease; it expires by itself"),
+            }
+        }
+    }
+
+    fn track(&self, c: &Claimed) {
+        if let Ok(mut m) = self.in_flight.lock() {
+            m.insert(c.message.id.to_string(), c.clone());
+        }
+    }
+
+    fn untrack(&self, c: &Claimed) {
+        if let Ok(mut m) = self.in_flight.lock() {
+            m.remove(c.message.id.as_str());
+        }
+    }
+
+    fn host_permit(&self, url: &str) -> Option<OwnedSemaphorePermit> {
+        let host = reqwest::Url::parse(url)
+            .ok()
+            .and_then(|u| u.host_str().map(str::to_string))
+            .unwrap_or_default();
+        let semaphore = {
+            let mut hosts = self.hosts.lock().ok()?;
+            if hosts.len() >= MAX_TRACKED_HOSTS {
+                hosts.retain(|_, s| s.available_permits() < self.per_host);
+            }
+            hosts
+                .entry(host)
+                .or_insert_with(|| Arc::new(Semaphore::new(self.per_host)))
+                .clone()
+        };
+        semaphore.try_acquire_owned().ok()
+    }
+
+    async fn deliver(&self, c: Claimed, _permit: OwnedSemaphorePermit) {
+        let Some(url) = c.message.target_url.clone() else {
+            self.untrack(&c);
+            return;
+        };
+        let Some(_host_permit) = self.host_permit(&url) else {
+            let _ = self.store.release(&c, self.clock.now_ms() + HOST_BUSY_DELAY_MS).await;
+            self.untrack(&c);
+            return;
+        };
+        let source = c
+            .message
+            .source
+            .as_ref()
+            .and_then(|s| self.sources.get(s))
+            .cloned()
+            .unwrap_or_default();
+        let at = self.clock.now_ms();
+        let headers = delivery::build_headers(
+            &c,
+            &source.headers,
+            source.signing_secret.as_deref(),
+            self.clock.now_secs(),
+        );
+        let started = Instant::now();
+        let result =
+            delivery::send(&self.client, &url, headers, c.message.body.clone(), self.allow_private)
+                .await;
+        let latency = started.elapsed();
+        let now = self.clock.now_ms();
+        let verdict = delivery::classify(&result, self.backoff, &c, now, rand::random::<f64>());
+        self.record_metrics(&c, &result, verdict, latency);
+        let attempt = Attempt {
+            kind: "delivery".into(),
+            attempt: c.attempts + 1,
+            at,
+            status: result.status,
+            error: result.error.clone(),
+            latency_ms: Some(latency.as_millis() as u64),
+            request_id: None,
+        };
+        self.settle(&c, attempt, verdict, now).await;
+        self.untrack(&c);
+    }
+
+    /// Records the outcome. A store error is retried briefly; if it persists, the lease
+    /// expires and the message is delivered again (at-least-once), never lost.
+    async fn settle(&self, c: &Claimed, attempt: Attempt, verdict: Verdict, now: i64) {
+        for backoff_ms in [0, 100, 500, 2_000] {
+            tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+            match self
+                .store
+                .complete(c, attempt.clone(), verdict.completion(), now)
+                .await
+            {
+                Ok(true) => {
+                    tracing::debug!(?verdict, status = ?attempt.status, "attempt recorded");
+                    return;
+                }
+                Ok(false) => {
+                    tracing::warn!("lease lost before the outcome was recorded");
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot record the outcome yet"),
+            }
+        }
+    }
+
+    fn record_metrics(
+        &self,
+        c: &Claimed,
+        result: &AttemptResult,
+        verdict: Verdict,
+        latency: Duration,
+    ) {
+        let kind = match c.message.kind {
+            MessageKind::Inbound => "inbound",
+            MessageKind::Notification => "notification",
+        };
+        let outcome = if verdict == Verdict::Delivered {
+            "success"
+        } else {
+            "failure"
+        };
+        metrics::counter!(m::DELIVERIES, "kind" => kind, "outcome" => outcome).increment(1);
+        metrics::histogram!(m::DELIVERY_SECONDS, "kind" => kind).record(latency.as_secs_f64());
+        match verdict {
+            Verdict::Retry(_) => metrics::counter!(m::RETRIES, "kind" => kind).increment(1),
+            Verdict::Gone => {
+                metrics::counter!(m::DEAD_LETTERS, "kind" => kind, "reason" => "gone").increment(1)
+            }
+            Verdict::Expired => {
+                metrics::counter!(m::DEAD_LETTERS, "kind" => kind, "reason" => "expired")
+                    .increment(1)
+            }
+            Verdict::Delivered => {}
+        }
+        if verdict != Verdict::Delivered {
+            tracing::info!(status = ?result.status, error = ?result.error, ?verdict, "delivery failed");
+        }
+    }
+}

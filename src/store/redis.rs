@@ -203,7 +203,7 @@ impl RedisStore {
                 return Err(corrupt("short pipeline reply"));
             };
             let fields: HashMap<String, String> =
-                redis::from_redis_value_ref(fields).map_err(|e| corrupt(e))?;
+                redis::from_redis_value_ref(fields).map_err(corrupt)?;
             let Some(rec) = fields.get("rec") else {
                 continue;
             };

@@ -1,0 +1,275 @@
+//! One HTTP delivery attempt and the classification of its outcome. Pure where it can be:
+//! [`classify`] turns what came back into what the store should do.
+
+use std::collections::BTreeMap;
+use std::error::Error as _;
+use std::time::{Duration, SystemTime};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
+
+use super::schedule::{Backoff, Next, next_attempt};
+use super::ssrf::{REFUSED_ADDRESS, is_forbidden};
+use crate::inbound::signature::sign_standard_webhook;
+use crate::store::{Claimed, Completion, Millis};
+
+pub const MESSAGE_ID_HEADER: &str = "x-callbackd-message-id";
+pub const ATTEMPT_HEADER: &str = "x-callbackd-attempt";
+pub const EVENT_HEADER: &str = "x-callback-event";
+
+/// Bytes of a response body read before the connection is given back to the pool; the rest
+/// is dropped with the connection. Receivers answer with small bodies; a huge one must not
+/// cost memory.
+const MAX_RESPONSE_BODY: usize = 64 * 1024;
+
+/// What one attempt produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptResult {
+    pub status: Option<u16>,
+    /// Error class when there was no HTTP status: `timeout`, `connect`, `refused_address`,
+    /// `request`.
+    pub error: Option<String>,
+    pub retry_after_ms: Option<u64>,
+}
+
+/// What the store should do after an attempt, and why (for metrics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Verdict {
+    Delivered,
+    Gone,
+    Retry(Millis),
+    Expired,
+}
+
+impl Verdict {
+    pub fn completion(self) -> Completion {
+        match self {
+            Verdict::Delivered => Completion::Delivered,
+            Verdict::Retry(next_at) => Completion::Retry { next_at },
+            Verdict::Gone | Verdict::Expired => Completion::Dead,
+        }
+    }
+}
+
+/// 2xx delivered; 410 dead at once; anything else retried until the deadline.
+pub fn classify(
+    result: &AttemptResult,
+    backoff: Backoff,
+    claimed: &Claimed,
+    now: Millis,
+    jitter: f64,
+) -> Verdict {
+    match result.status {
+        Some(s) if (200..300).contains(&s) => Verdict::Delivered,
+        Some(410) => Verdict::Gone,
+        _ => match next_attempt(
+            backoff,
+            claimed.backoff_step,
+            now,
+            claimed.deadline,
+            jitter,
+            result.retry_after_ms,
+        ) {
+            Next::RetryAt(at) => Verdict::Retry(at),
+            Next::GiveUp => Verdict::Expired,
+        },
+    }
+}
+
+/// `Retry-After` as delay-seconds or an HTTP date.
+pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<u64> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(secs.saturating_mul(1000));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(
+        at.duration_since(now)
+            .unwrap_or(Duration::ZERO)
+            .as_millis() as u64,
+    )
+}
+
+/// Headers of one attempt: configured ones first, then ours, which win on a clash so the
+/// receiver can always dedupe by message id.
+pub fn build_headers(
+    claimed: &Claimed,
+    static_headers: &BTreeMap<String, String>,
+    signing_secret: Option<&[u8]>,
+    now_secs: i64,
+) -> HeaderMap {
+    let msg = &claimed.message;
+    let mut headers = HeaderMap::new();
+    for (name, value) in static_headers.iter().chain(msg.headers.iter()) {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.insert(n, v);
+        }
+    }
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Ok(id) = HeaderValue::from_str(msg.id.as_str()) {
+        headers.insert(MESSAGE_ID_HEADER, id);
+    }
+    headers.insert(ATTEMPT_HEADER, HeaderValue::from(claimed.attempts + 1));
+    if let Some(event) = msg.event.as_deref().and_then(|e| HeaderValue::from_str(e).ok()) {
+        headers.insert(EVENT_HEADER, event);
+    }
+    if let Some(secret) = signing_secret {
+        let signature = sign_standard_webhook(secret, msg.id.as_str(), now_secs, msg.body.as_bytes());
+        for (name, value) in [
+            ("webhook-id", msg.id.to_string()),
+            ("webhook-timestamp", now_secs.to_string()),
+            ("webhook-signature", signature),
+        ] {
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                headers.insert(name, v);
+            }
+        }
+    }
+    headers
+}
+
+/// Sends one attempt. The URL is passed to the client exactly as stored: the gateway signs it
+/// (`X-VTEX-signature`), so not one byte of it may change.
+pub async fn send(
+    client: &reqwest::Client,
+    url: &str,
+    headers: HeaderMap,
+    body: String,
+    allow_private: bool,
+) -> AttemptResult {
+    let failure = |class: &str| AttemptResult {
+        status: None,
+        error: Some(class.to_string()),
+        retry_after_ms: None,
+    };
+    let Ok(parsed) = reqwest::Url::parse(url) else {
+        return failure("bad_url");
+    };
+    // Literal addresses never reach the resolver, so they are checked here.
+    if !allow_private {
+        let host = parsed.host_str().unwrap_or_default();
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        if bare.parse().map(is_forbidden).unwrap_or(false) {
+            return failure(REFUSED_ADDRESS);
+        }
+    }
+    let response = client.post(parsed).headers(headers).body(body).send().await;
+    match response {
+        Ok(mut resp) => {
+            let status = resp.status().as_u16();
+            let retry_after_ms = resp
+                .headers()
+                .get(header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| parse_retry_after(v, SystemTime::now()));
+            let mut read = 0;
+            while let Ok(Some(chunk)) = resp.chunk().await {
+                read += chunk.len();
+                if read > MAX_RESPONSE_BODY {
+                    break;
+                }
+            }
+            AttemptResult {
+                status: Some(status),
+                error: None,
+                retry_after_ms,
+            }
+        }
+        Err(e) => failure(error_class(&e)),
+    }
+}
+
+fn error_class(e: &reqwest::Error) -> &'static str {
+    let mut source = e.source();
+    while let Some(s) = source {
+        if s.to_string().contains(REFUSED_ADDRESS) {
+            return REFUSED_ADDRESS;
+        }
+        source = s.source();
+    }
+    if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connect"
+    } else {
+        "request"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{MessageId, MessageKind, NewMessage};
+
+    fn claimed(backoff_step: u32, deadline: Millis) -> Claimed {
+        Claimed {
+            message: NewMessage {
+                id: MessageId::generate(0, "k"),
+                kind: MessageKind::Notification,
+                source: None,
+                payment_id: Some("p".into()),
+                transaction_id: None,
+                ordering_key: "k".into(),
+                event: Some("PIX_RECEIVED".into()),
+                target_url: Some("http://example.com/cb".into()),
+                headers: BTreeMap::from([("X-VTEX-API-AppKey".into(), "key".into())]),
+                body: "{}".into(),
+                created_at: 0,
+                deadline,
+            },
+            token: 1,
+            attempts: 2,
+            backoff_step,
+            deadline,
+        }
+    }
+
+    const BACKOFF: Backoff = Backoff {
+        initial_ms: 1000,
+        max_ms: 3_600_000,
+    };
+
+    fn status(s: u16) -> AttemptResult {
+        AttemptResult { status: Some(s), error: None, retry_after_ms: None }
+    }
+
+    #[test]
+    fn classification() {
+        let c = claimed(0, 100_000);
+        assert_eq!(classify(&status(204), BACKOFF, &c, 0, 0.0), Verdict::Delivered);
+        assert_eq!(classify(&status(410), BACKOFF, &c, 0, 0.0), Verdict::Gone);
+        for s in [500, 503, 429, 404, 301, 400] {
+            assert_eq!(classify(&status(s), BACKOFF, &c, 0, 0.0), Verdict::Retry(1000), "{s}");
+        }
+        let timeout = AttemptResult { status: None, error: Some("timeout".into()), retry_after_ms: None };
+        assert_eq!(classify(&timeout, BACKOFF, &claimed(3, 100_000), 0, 0.0), Verdict::Retry(8000));
+        let later = AttemptResult { status: Some(429), error: None, retry_after_ms: Some(30_000) };
+        assert_eq!(classify(&later, BACKOFF, &c, 5, 0.0), Verdict::Retry(30_005));
+        assert_eq!(classify(&status(500), BACKOFF, &c, 100_000, 0.0), Verdict::Expired);
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!(parse_retry_after("120", now), Some(120_000));
+        let date = httpdate::fmt_http_date(now + Duration::from_secs(90));
+        assert_eq!(parse_retry_after(&date, now), Some(90_000));
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(90));
+        assert_eq!(parse_retry_after(&past, now), Some(0));
+        assert_eq!(parse_retry_after("soon", now), None);
+    }
+
+    #[test]
+    fn headers_carry_id_attempt_event_and_signature() {
+        let c = claimed(0, 1);
+        let h = build_headers(&c, &BTreeMap::new(), Some(b"secret"), 1_700_000_000);
+        assert_eq!(h[MESSAGE_ID_HEADER], c.message.id.as_str());
+        assert_eq!(h[ATTEMPT_HEADER], "3");
+        assert_eq!(h[EVENT_HEADER], "PIX_RECEIVED");
+        assert_eq!(h["x-vtex-api-appkey"], "key");
+        assert_eq!(h["webhook-id"], c.message.id.as_str());
+        assert!(h["webhook-signature"].to_str().unwrap().starts_with("v1,"));
+    }
+}

@@ -1,0 +1,467 @@
+//! Operator routes: inspect messages and their attempts, list with filters and a stable
+//! cursor, resend (like PayZu's `POST /user/callbacks/resend`, idempotent with `requestId`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::{IntoParams, ToSchema};
+
+use super::auth::{Role, require};
+use super::{raw_json, read_body};
+use crate::app::App;
+use crate::clock::{format_iso, parse_iso};
+use crate::error::{ApiError, ErrorBody};
+use crate::metrics as m;
+use crate::payment;
+use crate::store::{
+    Attempt, ListFilter, MessageId, MessageKind, MessageRecord, MessageState,
+    OperationReservation, ResendEffect,
+};
+
+const DEFAULT_LIMIT: usize = 100;
+const MAX_LIMIT: usize = 1000;
+/// Messages one resend request may touch; a larger selection answers `more: true` and the
+/// operator narrows the window. Keeps memory and the answer bounded.
+const MAX_RESEND: usize = 10_000;
+const MAX_RESEND_IDS: usize = 1000;
+/// Page size used to walk a resend selection.
+const RESEND_BATCH: usize = 500;
+/// How long a resend `requestId` is held while its resend runs.
+const RESEND_RESERVATION_SECS: u64 = 300;
+
+/// A message as operators see it. Header values are redacted: they carry gateway tokens.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MessageView {
+    pub id: String,
+    pub kind: MessageKind,
+    pub state: MessageState,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payment_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transaction_id: Option<String>,
+    pub ordering_key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_url: Option<String>,
+    pub headers: BTreeMap<String, String>,
+    pub created_at: String,
+    pub deadline: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<String>,
+    pub attempt_count: usize,
+    /// Delivery attempts and resend marks, oldest first (`at` in ms since the epoch).
+    pub attempts: Vec<Attempt>,
+    #[schema(value_type = Object)]
+    pub body: Value,
+}
+
+impl MessageView {
+    fn from_record(record: MessageRecord, with_attempts: bool) -> MessageView {
+        let m = record.message;
+        let attempt_count = record
+            .history
+            .iter()
+            .filter(|a| a.kind == "delivery")
+            .count();
+        MessageView {
+            id: m.id.to_string(),
+            kind: m.kind,
+            state: record.state,
+            source: m.source,
+            payment_id: m.payment_id,
+            transaction_id: m.transaction_id,
+            ordering_key: m.ordering_key,
+            event: m.event,
+            target_url: m.target_url,
+            headers: m
+                .headers
+                .into_keys()
+                .map(|k| (k, "[redacted]".to_string()))
+                .collect(),
+            created_at: format_iso(m.created_at),
+            deadline: format_iso(record.deadline),
+            next_attempt_at: record.next_attempt_at.map(format_iso),
+            attempt_count,
+            attempts: if with_attempts {
+                record.history
+            } else {
+                Vec::new()
+            },
+            body: serde_json::from_str(&m.body).unwrap_or(Value::String(m.body)),
+        }
+    }
+}
+
+/// Inspect one message and every attempt.
+#[utoipa::path(
+    get,
+    path = "/v1/messages/{id}",
+    params(("id" = String, Path, description = "Message id (msg_...)")),
+    responses(
+        (status = 200, description = "The message and its attempts", body = MessageView),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, description = "Unknown id", body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+    tag = "ops"
+)]
+pub async fn get_message(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<MessageView>, ApiError> {
+    require(&app, &headers, Role::Admin)?;
+    let not_found = || ApiError::NotFound(format!("no message `{id}`"));
+    let parsed = MessageId::parse(&id).ok_or_else(not_found)?;
+    let record = app.store.get(&parsed).await?.ok_or_else(not_found)?;
+    Ok(Json(MessageView::from_record(record, true)))
+}
+
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[serde(rename_all = "camelCase")]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// pending, in_flight, delivered, dead, recorded
+    pub state: Option<String>,
+    pub source: Option<String>,
+    pub payment_id: Option<String>,
+    /// Provider transaction id (with `source` when several sources are configured).
+    pub transaction_id: Option<String>,
+    /// ISO-8601, inclusive.
+    pub created_at_from: Option<String>,
+    /// ISO-8601, inclusive.
+    pub created_at_to: Option<String>,
+    /// 1 to 1000, default 100.
+    pub limit: Option<usize>,
+    /// `nextCursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MessagePage {
+    pub messages: Vec<MessageView>,
+    /// Pass as `cursor` for the next page; absent at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request("invalid_query", message)
+}
+
+/// The selection shared by listing and resend.
+struct Selection {
+    state: Option<String>,
+    source: Option<String>,
+    payment_id: Option<String>,
+    transaction_id: Option<String>,
+    created_at_from: Option<String>,
+    created_at_to: Option<String>,
+}
+
+impl Selection {
+    fn filter(&self, app: &App) -> Result<ListFilter, ApiError> {
+        let state = self
+            .state
+            .as_deref()
+            .map(|s| {
+                MessageState::parse(s).ok_or_else(|| {
+                    bad(format!("`state`: `{s}` is not pending, in_flight, delivered, dead or recorded"))
+                })
+            })
+            .transpose()?;
+        let time = |field: &str, v: &Option<String>| {
+            v.as_deref()
+                .map(|s| parse_iso(s).ok_or_else(|| bad(format!("`{field}`: `{s}` is not ISO-8601"))))
+                .transpose()
+        };
+        let ordering_key = match (&self.payment_id, &self.transaction_id) {
+            (Some(_), Some(_)) => {
+                return Err(bad("give `paymentId` or `transactionId`, not both"));
+            }
+            (Some(p), None) => Some(payment::ordering_key(p)),
+            (None, Some(t)) => {
+                let source = match &self.source {
+                    Some(s) => s.clone(),
+                    None if app.sources.len() == 1 => app.sources.keys().next().cloned().unwrap_or_default(),
+                    None => return Err(bad("`transactionId` needs `source` when several sources are configured")),
+                };
+                Some(format!("src/{source}/{t}"))
+            }
+            (None, None) => None,
+        };
+        Ok(ListFilter {
+            state,
+            source: self.source.clone(),
+            ordering_key,
+            created_from: time("createdAtFrom", &self.created_at_from)?,
+            created_to: time("createdAtTo", &self.created_at_to)?,
+            after: None,
+            limit: DEFAULT_LIMIT,
+        })
+    }
+}
+
+fn encode_cursor(id: &MessageId) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id.as_str())
+}
+
+fn decode_cursor(cursor: &str) -> Option<MessageId> {
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(cursor)
+        .ok()?;
+    MessageId::parse(std::str::from_utf8(&bytes).ok()?)
+}
+
+/// List messages, oldest first, with a cursor that stays stable while new messages arrive.
+#[utoipa::path(
+    get,
+    path = "/v1/messages",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "A page of messages", body = MessagePage),
+        (status = 400, description = "Bad filter", body = ErrorBody),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+    tag = "ops"
+)]
+pub async fn list_messages(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<MessagePage>, ApiError> {
+    require(&app, &headers, Role::Admin)?;
+    let Query(q) = query.map_err(|e| bad(e.body_text()))?;
+    let mut filter = Selection {
+        state: q.state,
+        source: q.source,
+        payment_id: q.payment_id,
+        transaction_id: q.transaction_id,
+        created_at_from: q.created_at_from,
+        created_at_to: q.created_at_to,
+    }
+    .filter(&app)?;
+    filter.limit = match q.limit {
+        None => DEFAULT_LIMIT,
+        Some(n) if (1..=MAX_LIMIT).contains(&n) => n,
+        Some(_) => return Err(bad(format!("`limit` must be 1 to {MAX_LIMIT}"))),
+    };
+    filter.after = q
+        .cursor
+        .as_deref()
+        .map(|c| decode_cursor(c).ok_or_else(|| bad("`cursor` is not a cursor from this API")))
+        .transpose()?;
+    let page = app.store.list(&filter).await?;
+    Ok(Json(MessagePage {
+        messages: page
+            .messages
+            .into_iter()
+            .map(|r| MessageView::from_record(r, false))
+            .collect(),
+        next_cursor: page.next_after.as_ref().map(encode_cursor),
+    }))
+}
+
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ResendRequest {
+    pub message_ids: Option<Vec<String>>,
+    pub payment_id: Option<String>,
+    pub transaction_id: Option<String>,
+    /// ISO-8601 window start (PayZu's name).
+    pub created_at_from: Option<String>,
+    /// ISO-8601 window end.
+    pub created_at_to: Option<String>,
+    /// Narrows a selection.
+    pub source: Option<String>,
+    /// Narrows a selection.
+    pub state: Option<String>,
+    /// Makes the resend idempotent: the same id returns the stored answer and resends nothing.
+    pub request_id: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResendAnswer {
+    pub resent: usize,
+    pub message_ids: Vec<String>,
+    /// True when the selection had more than one request may resend: narrow it and repeat.
+    pub more: bool,
+}
+
+/// Resend messages: deliver them once more (a finished one gets a fresh window; a pending one
+/// keeps its schedule). Every resend is recorded in the message's attempts.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/resend",
+    request_body = ResendRequest,
+    responses(
+        (status = 200, description = "What was resent", body = ResendAnswer,
+         headers(("Idempotent-Replayed" = String, description = "`true` for a repeated requestId"))),
+        (status = 400, description = "No selector, or a bad one", body = ErrorBody),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 409, description = "The same requestId is still running", body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+    tag = "ops"
+)]
+pub async fn resend(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    require(&app, &headers, Role::Admin)?;
+    let bytes = read_body(body, &headers, app.config.server.max_body_bytes).await?;
+    let req: ResendRequest = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request("invalid_request", format!("resend body: {e}")))?;
+    let ids = req
+        .message_ids
+        .as_ref()
+        .map(|ids| {
+            if ids.len() > MAX_RESEND_IDS {
+                return Err(bad(format!("at most {MAX_RESEND_IDS} `messageIds` per request")));
+            }
+            Ok(ids.iter().filter_map(|id| MessageId::parse(id)).collect::<Vec<_>>())
+        })
+        .transpose()?;
+    let selection = Selection {
+        state: req.state.clone(),
+        source: req.source.clone(),
+        payment_id: req.payment_id.clone(),
+        transaction_id: req.transaction_id.clone(),
+        created_at_from: req.created_at_from.clone(),
+        created_at_to: req.created_at_to.clone(),
+    };
+    let filter = selection.filter(&app)?;
+    let has_window = filter.created_from.is_some() || filter.created_to.is_some();
+    if ids.is_none() && filter.ordering_key.is_none() && !has_window {
+        return Err(ApiError::bad_request(
+            "no_selector",
+            "give `messageIds`, `paymentId`, `transactionId` or a `createdAtFrom`/`createdAtTo` window",
+        ));
+    }
+
+    let operation = req.request_id.as_ref().map(|r| format!("resend\n{r}"));
+    if let Some(op) = &operation {
+        match app
+            .store
+            .reserve_operation(op, RESEND_RESERVATION_SECS)
+            .await?
+        {
+            OperationReservation::Fresh => {}
+            OperationReservation::Done(answer) => return Ok(raw_json(StatusCode::OK, answer, true)),
+            OperationReservation::InProgress => {
+                return Err(ApiError::Conflict(
+                    "a resend with this requestId is still running".into(),
+                ));
+            }
+        }
+    }
+
+    let answer = match ids {
+        Some(ids) => resend_ids(&app, &ids, req.request_id.as_deref()).await?,
+        None => resend_selection(&app, filter, req.request_id.as_deref()).await?,
+    };
+    let body = serde_json::to_string(&answer)
+        .map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?;
+    if let Some(op) = &operation {
+        app.store
+            .finish_operation(op, &body, app.config.store.dedupe_ttl_secs)
+            .await?;
+    }
+    app.wake.notify_one();
+    Ok(raw_json(StatusCode::OK, body, false))
+}
+
+async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Result<bool, ApiError> {
+    let now = app.clock.now_ms();
+    let mark = Attempt {
+        kind: "resend".into(),
+        attempt: 0,
+        at: now,
+        status: None,
+        error: None,
+        latency_ms: None,
+        request_id: request_id.map(str::to_string),
+    };
+    let fresh_deadline =
+        now.saturating_add(app.config.dispatch.max_age_secs.saturating_mul(1000) as i64);
+    let effect = app.store.resend(id, mark, fresh_deadline, now).await?;
+    let label = match effect {
+        ResendEffect::Requeued => "requeued",
+        ResendEffect::Expedited => "expedited",
+        ResendEffect::Queued => "queued",
+        ResendEffect::AfterCurrent => "after_current",
+        ResendEffect::Skipped => "skipped",
+    };
+    metrics::counter!(m::RESENDS, "effect" => label).increment(1);
+    Ok(effect != ResendEffect::Skipped)
+}
+
+async fn resend_ids(
+    app: &App,
+    ids: &[MessageId],
+    request_id: Option<&str>,
+) -> Result<ResendAnswer, ApiError> {
+    let mut resent = Vec::new();
+    for id in ids {
+        if resend_one(app, id, request_id).await? {
+            resent.push(id.to_string());
+        }
+    }
+    Ok(ResendAnswer {
+        resent: resent.len(),
+        message_ids: resent,
+        more: false,
+    })
+}
+
+async fn resend_selection(
+    app: &App,
+    mut filter: ListFilter,
+    request_id: Option<&str>,
+) -> Result<ResendAnswer, ApiError> {
+    filter.limit = RESEND_BATCH;
+    let mut resent = Vec::new();
+    loop {
+        let page = app.store.list(&filter).await?;
+        for record in page.messages {
+            if resent.len() >= MAX_RESEND {
+                return Ok(ResendAnswer {
+                    resent: resent.len(),
+                    message_ids: resent,
+                    more: true,
+                });
+            }
+            if resend_one(app, &record.message.id, request_id).await? {
+                resent.push(record.message.id.to_string());
+            }
+        }
+        match page.next_after {
+            Some(after) => filter.after = Some(after),
+            None => break,
+        }
+    }
+    Ok(ResendAnswer {
+        resent: resent.len(),
+        message_ids: resent,
+        more: false,
+    })
+}

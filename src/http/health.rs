@@ -1,0 +1,63 @@
+//! Liveness, readiness, metrics and a small index.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use crate::app::App;
+use crate::error::{ApiError, ErrorBody};
+use crate::metrics as m;
+
+/// Liveness: the process is up and serving HTTP.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "Alive", body = Object)), tag = "ops")]
+pub async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// Readiness: the store answers.
+#[utoipa::path(get, path = "/readyz", responses(
+    (status = 200, description = "Store reachable", body = Object),
+    (status = 503, description = "Store unreachable", body = ErrorBody),
+), tag = "ops")]
+pub async fn readyz(State(app): State<Arc<App>>) -> Result<Json<Value>, ApiError> {
+    app.store.ping().await?;
+    Ok(Json(json!({"status": "ready"})))
+}
+
+/// Prometheus text exposition. Queue depth is read from the store at scrape time (a few
+/// counters per partition, cheap).
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text", content_type = "text/plain")), tag = "ops")]
+pub async fn metrics(State(app): State<Arc<App>>) -> Response {
+    if let Ok(depth) = app.store.depth().await {
+        for (state, n) in [
+            ("pending", depth.pending),
+            ("in_flight", depth.in_flight),
+            ("dead", depth.dead),
+        ] {
+            metrics::gauge!(m::QUEUE_DEPTH, "state" => state).set(n as f64);
+        }
+    }
+    let mut response = app.metrics.render().into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    response
+}
+
+/// Where to start.
+#[utoipa::path(get, path = "/", responses((status = 200, description = "Service index", body = Object)), tag = "ops")]
+pub async fn index() -> Json<Value> {
+    Json(json!({
+        "service": "callbackd",
+        "version": env!("CARGO_PKG_VERSION"),
+        "openapi": "/openapi.json",
+        "health": "/healthz",
+        "ready": "/readyz",
+        "metrics": "/metrics",
+    }))
+}

@@ -1,0 +1,251 @@
+//! `POST /v1/notifications`: a connector hands off an async payment notification (a Pix or
+//! Boleto confirmation) for delivery to the gateway's `callbackUrl`.
+//!
+//! The idempotency key is `paymentId + status`, or the `Idempotency-Key` header (scoped to
+//! the payment). A repeat returns the stored answer byte for byte and creates nothing; the
+//! same key with another body is a 422. The payment status moves by compare-and-set in the
+//! same atomic step that records the notification.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
+
+use super::auth::{Role, require};
+use super::{raw_json, read_body};
+use crate::app::App;
+use crate::clock::format_iso;
+use crate::digest::short_hash;
+use crate::error::{ApiError, ErrorBody};
+use crate::metrics as m;
+use crate::payment::{self, PaymentStatus};
+use crate::store::{
+    AcceptOutcome, AcceptRequest, Claim, MessageId, MessageKind, NewMessage, PaymentTransition,
+};
+
+const MAX_ID_LEN: usize = 256;
+const MAX_HEADERS: usize = 32;
+/// Headers a connector may not set: they belong to the HTTP exchange or to callbackd.
+const RESERVED_HEADERS: [&str; 7] = [
+    "host",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "connection",
+    "x-callbackd-message-id",
+    "x-callbackd-attempt",
+];
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NotificationRequest {
+    pub payment_id: String,
+    /// Target payment status: approved, denied, settled, cancelled, refunded.
+    pub status: String,
+    /// Where to deliver, used byte for byte (keep the gateway's `X-VTEX-signature`).
+    pub callback_url: String,
+    /// Body to deliver; defaults to `{"paymentId", "status"}`.
+    #[serde(default)]
+    pub payload: Option<Map<String, Value>>,
+    /// Static headers for every attempt (e.g. `X-VTEX-API-AppKey`, `X-VTEX-API-AppToken`).
+    #[serde(default)]
+    pub headers: Option<BTreeMap<String, String>>,
+    /// Shortens the delivery window for this notification.
+    #[serde(default)]
+    pub max_age_secs: Option<u64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NotificationAccepted {
+    pub notification_id: String,
+    pub payment_id: String,
+    pub status: String,
+    pub accepted_at: String,
+    pub deliver_until: String,
+}
+
+/// Hand off a payment notification.
+#[utoipa::path(
+    post,
+    path = "/v1/notifications",
+    request_body = NotificationRequest,
+    params(("Idempotency-Key" = Option<String>, Header, description = "Overrides paymentId + status")),
+    responses(
+        (status = 202, description = "Accepted (or replayed: the stored body)", body = NotificationAccepted,
+         headers(("Idempotent-Replayed" = String, description = "`true` on a repeat"))),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+        (status = 401, description = "Missing or unknown token", body = ErrorBody),
+        (status = 403, description = "Not a connector token", body = ErrorBody),
+        (status = 409, description = "Invalid payment state transition", body = ErrorBody),
+        (status = 413, description = "Body too large", body = ErrorBody),
+        (status = 422, description = "Idempotency key reused with another body", body = ErrorBody),
+        (status = 503, description = "Store unavailable; retry", body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+    tag = "connectors"
+)]
+pub async fn hand_off(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let result = accept(&app, &headers, body).await;
+    let outcome = match &result {
+        Ok((_, false)) => "accepted",
+        Ok((_, true)) => "replayed",
+        Err(ApiError::InvalidTransition { .. }) => "invalid_transition",
+        Err(ApiError::IdempotencyMismatch) => "key_conflict",
+        Err(ApiError::Unavailable(_)) => "unavailable",
+        Err(ApiError::Unauthorized(_) | ApiError::Forbidden) => "unauthorized",
+        Err(_) => "bad_request",
+    };
+    metrics::counter!(m::NOTIFICATIONS, "outcome" => outcome).increment(1);
+    metrics::histogram!(m::ACCEPT_SECONDS, "route" => "notifications")
+        .record(started.elapsed().as_secs_f64());
+    let (response, replayed) = result?;
+    Ok(raw_json(StatusCode::ACCEPTED, response, replayed))
+}
+
+async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, bool), ApiError> {
+    require(app, headers, Role::Connector)?;
+    let bytes = read_body(body, headers, app.config.server.max_body_bytes).await?;
+    let value: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}")))?;
+    let req: NotificationRequest = serde_path_to_error::deserialize(&value).map_err(|e| {
+        ApiError::bad_request("invalid_request", format!("`{}`: {}", e.path(), e.inner()))
+    })?;
+    let to = validate(app, &req).await?;
+    let idempotency_key = idempotency_key(headers)?;
+
+    let now = app.clock.now_ms();
+    let ordering_key = payment::ordering_key(&req.payment_id);
+    let id = MessageId::generate(now, &ordering_key);
+    let window_secs = req
+        .max_age_secs
+        .unwrap_or(app.config.dispatch.max_age_secs);
+    let deadline = now.saturating_add(window_secs.saturating_mul(1000) as i64);
+    let response = serde_json::to_string(&NotificationAccepted {
+        notification_id: id.to_string(),
+        payment_id: req.payment_id.clone(),
+        status: to.to_string(),
+        accepted_at: format_iso(now),
+        deliver_until: format_iso(deadline),
+    })
+    .map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?;
+    let key_tuple = match &idempotency_key {
+        Some(k) => json!(["notification-key", req.payment_id, k]),
+        None => json!(["notification", req.payment_id, req.status]),
+    };
+    let delivered_body = match &req.payload {
+        Some(p) => Value::Object(p.clone()),
+        None => json!({"paymentId": req.payment_id, "status": req.status}),
+    };
+    let message = NewMessage {
+        id,
+        kind: MessageKind::Notification,
+        source: None,
+        payment_id: Some(req.payment_id.clone()),
+        transaction_id: None,
+        ordering_key,
+        event: None,
+        target_url: Some(req.callback_url.clone()),
+        headers: req.headers.clone().unwrap_or_default(),
+        body: delivered_body.to_string(),
+        created_at: now,
+        deadline,
+    };
+    let request = AcceptRequest {
+        claim: Claim {
+            key: short_hash(key_tuple.to_string().as_bytes()),
+            ttl_secs: app.config.store.dedupe_ttl_secs,
+            // serde_json's map is ordered, so equal JSON gives equal fingerprints whatever
+            // the key order or whitespace of the original bytes.
+            fingerprint: short_hash(value.to_string().as_bytes()),
+            response: response.clone(),
+        },
+        message,
+        payment: Some(PaymentTransition {
+            payment_id: req.payment_id.clone(),
+            to: to.to_string(),
+            allowed_from: payment::allowed_from(to)
+                .into_iter()
+                .map(|s| s.to_string())
+                .collect(),
+        }),
+    };
+    match app.store.accept(request, now).await? {
+        AcceptOutcome::Accepted => {
+            app.wake.notify_one();
+            Ok((response, false))
+        }
+        AcceptOutcome::Replayed { response } => Ok((response, true)),
+        AcceptOutcome::Conflict => Err(ApiError::IdempotencyMismatch),
+        AcceptOutcome::InvalidTransition { from } => Err(ApiError::InvalidTransition {
+            from,
+            to: to.to_string(),
+        }),
+    }
+}
+
+fn field_error(field: &str, message: impl std::fmt::Display) -> ApiError {
+    ApiError::bad_request("invalid_request", format!("`{field}`: {message}"))
+}
+
+async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus, ApiError> {
+    if req.payment_id.is_empty() || req.payment_id.len() > MAX_ID_LEN {
+        return Err(field_error("paymentId", format!("must be 1 to {MAX_ID_LEN} characters")));
+    }
+    let to = PaymentStatus::parse(&req.status).ok_or_else(|| {
+        let valid: Vec<&str> = PaymentStatus::ALL.iter().map(|s| s.as_str()).collect();
+        field_error("status", format!("`{}` is not one of {}", req.status, valid.join(", ")))
+    })?;
+    app.ssrf
+        .check_url(&req.callback_url, Duration::from_secs(2))
+        .await
+        .map_err(|e| field_error("callbackUrl", e))?;
+    if let Some(headers) = &req.headers {
+        if headers.len() > MAX_HEADERS {
+            return Err(field_error("headers", format!("at most {MAX_HEADERS} headers")));
+        }
+        for (name, value) in headers {
+            let parsed = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| field_error("headers", format!("`{name}` is not a header name")))?;
+            if RESERVED_HEADERS.contains(&parsed.as_str()) {
+                return Err(field_error("headers", format!("`{name}` is set by callbackd")));
+            }
+            HeaderValue::from_str(value)
+                .map_err(|_| field_error("headers", format!("value of `{name}` is not a valid header value")))?;
+        }
+    }
+    if let Some(max_age) = req.max_age_secs
+        && (max_age == 0 || max_age > app.config.dispatch.max_age_secs)
+    {
+        return Err(field_error(
+            "maxAgeSecs",
+            format!("must be 1 to {} (dispatch.max_age_secs)", app.config.dispatch.max_age_secs),
+        ));
+    }
+    Ok(to)
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    match value.to_str() {
+        Ok(k) if !k.trim().is_empty() && k.len() <= MAX_ID_LEN => Ok(Some(k.trim().to_string())),
+        _ => Err(ApiError::bad_request(
+            "invalid_request",
+            format!("Idempotency-Key must be 1 to {MAX_ID_LEN} visible ASCII characters"),
+        )),
+    }
+}
