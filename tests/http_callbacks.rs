@@ -1,0 +1,208 @@
+//! Provider callbacks over HTTP against a private Redis (issue: the inbound receiver).
+
+mod support;
+
+use std::time::Duration;
+
+use callbackd::inbound::signature::sign_payzu;
+use support::redis::RedisServer;
+use support::{TestServer, config};
+
+const BODY: &str = r#"{"id":"tx:1","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":99.9}"#;
+
+fn message_keys(redis: &RedisServer) -> usize {
+    let keys = redis.cli(&["--scan", "--pattern", "cb:*:m:*"]);
+    keys.lines().filter(|l| !l.is_empty()).count()
+}
+
+#[tokio::test]
+async fn first_arrival_then_byte_identical_replay() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let first = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first_body = first.bytes().await.unwrap();
+    let parsed: serde_json::Value = serde_json::from_slice(&first_body).unwrap();
+    assert!(parsed["messageId"].as_str().unwrap().starts_with("msg_"));
+
+    let again = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(again.status(), 200);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.bytes().await.unwrap(), first_body);
+
+    // A status change of the same transaction is a new event.
+    let refunded = BODY.replace("COMPLETED", "REFUNDED");
+    let r = server.post_callback("payzu", &refunded, None).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("idempotent-replayed").is_none());
+    assert_eq!(message_keys(&redis), 2);
+}
+
+#[tokio::test]
+async fn two_hundred_concurrent_duplicates_make_one_record() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let futures = (0..200).map(|_| server.post_callback("payzu", BODY, Some("TRANSACTION_PAID")));
+    let responses = futures::future::join_all(futures).await;
+    let mut first = 0;
+    let mut replays = 0;
+    let mut bodies = std::collections::HashSet::new();
+    for r in responses {
+        assert_eq!(r.status(), 200);
+        if r.headers().get("idempotent-replayed").is_some() {
+            replays += 1;
+        } else {
+            first += 1;
+        }
+        bodies.insert(r.bytes().await.unwrap());
+    }
+    assert_eq!((first, replays), (1, 199));
+    assert_eq!(bodies.len(), 1, "every answer is byte-identical");
+    assert_eq!(message_keys(&redis), 1);
+}
+
+#[tokio::test]
+async fn claim_survives_a_redis_restart_and_has_a_30_day_ttl() {
+    let mut redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let first = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(first.status(), 200);
+    let first_body = first.text().await.unwrap();
+
+    let dedupe_keys = redis.cli(&["--scan", "--pattern", "cb:*:d:*"]);
+    let key = dedupe_keys.lines().next().expect("one dedupe key").to_string();
+    let ttl: i64 = redis.cli(&["ttl", &key]).parse().unwrap();
+    assert!((2_591_990..=2_592_000).contains(&ttl), "ttl {ttl}");
+
+    redis.stop(false);
+    redis.start_again();
+    let again = support::eventually(10, "redis back", || async {
+        let r = server.post_callback("payzu", BODY, None).await;
+        (r.status() == 200).then_some(r)
+    })
+    .await;
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.text().await.unwrap(), first_body);
+}
+
+#[tokio::test]
+async fn redis_down_means_503_and_nothing_burned() {
+    let mut redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    redis.stop(true);
+
+    let down = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(down.status(), 503);
+    assert_eq!(down.headers()["retry-after"], "1");
+    let err: serde_json::Value = down.json().await.unwrap();
+    assert_eq!(err["error"], "store_unavailable");
+    let ready = server.client.get(format!("{}/readyz", server.url)).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let healthy = server.client.get(format!("{}/healthz", server.url)).send().await.unwrap();
+    assert_eq!(healthy.status(), 200);
+
+    redis.start_again();
+    let accepted = support::eventually(10, "redis back", || async {
+        let r = server.post_callback("payzu", BODY, None).await;
+        (r.status() == 200).then_some(r)
+    })
+    .await;
+    assert!(
+        accepted.headers().get("idempotent-replayed").is_none(),
+        "the refused attempt burned no key: this is a first arrival"
+    );
+    let ready = server.client.get(format!("{}/readyz", server.url)).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+}
+
+#[tokio::test]
+async fn forged_request_does_not_block_the_real_one() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let now = server.app.clock.now_secs();
+    let forged = server
+        .client
+        .post(format!("{}/v1/callbacks/payzu", server.url))
+        .header("x-callback-signature", sign_payzu(b"attacker", now, BODY.as_bytes()))
+        .body(BODY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(forged.status(), 401);
+    let err: serde_json::Value = forged.json().await.unwrap();
+    assert_eq!(err["error"], "invalid_signature");
+    assert_eq!(message_keys(&redis), 0);
+
+    let real = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(real.status(), 200);
+    assert!(real.headers().get("idempotent-replayed").is_none());
+}
+
+#[tokio::test]
+async fn bad_requests_get_json_errors_and_change_nothing() {
+    let redis = RedisServer::start();
+    let mut cfg = config(&redis.url(), None);
+    cfg.server.max_body_bytes = 1024;
+    let server = TestServer::start(cfg).await;
+    let now = server.app.clock.now_secs();
+    let post = |source: &str, body: String, signature: Option<String>, event: Option<&str>| {
+        let mut req = server
+            .client
+            .post(format!("{}/v1/callbacks/{source}", server.url))
+            .body(body);
+        if let Some(s) = signature {
+            req = req.header("x-callback-signature", s);
+        }
+        if let Some(e) = event {
+            req = req.header("x-callback-event", e.to_string());
+        }
+        req.send()
+    };
+    let signed = |body: &str| Some(sign_payzu(support::PAYZU_SECRET.as_bytes(), now, body.as_bytes()));
+    let cases: Vec<(&str, String, Option<String>, Option<&str>, u16, &str)> = vec![
+        ("nope", BODY.into(), signed(BODY), None, 404, "unknown_source"),
+        ("payzu", BODY.into(), None, None, 401, "invalid_signature"),
+        ("payzu", BODY.into(), Some("t=1, v1=00".into()), None, 401, "invalid_signature"),
+        ("payzu", BODY.into(), Some(sign_payzu(support::PAYZU_SECRET.as_bytes(), now - 400, BODY.as_bytes())), None, 401, "invalid_signature"),
+        ("payzu", BODY.into(), Some(sign_payzu(support::PAYZU_SECRET.as_bytes(), now + 400, BODY.as_bytes())), None, 401, "invalid_signature"),
+        ("payzu", "[1,2]".into(), signed("[1,2]"), None, 400, "invalid_callback"),
+        ("payzu", "{\"id\":".into(), signed("{\"id\":"), None, 400, "invalid_json"),
+        ("payzu", "{\"status\":\"X\"}".into(), signed("{\"status\":\"X\"}"), None, 400, "invalid_callback"),
+        ("payzu", "{\"id\":true,\"status\":\"X\"}".into(), signed("{\"id\":true,\"status\":\"X\"}"), None, 400, "invalid_callback"),
+        ("payzu", "{\"id\":\"t\"}".into(), signed("{\"id\":\"t\"}"), None, 400, "invalid_callback"),
+        ("payzu", "x".repeat(2000), signed(&"x".repeat(2000)), None, 413, "payload_too_large"),
+    ];
+    for (source, body, sig, event, status, code) in cases {
+        let r = post(source, body.clone(), sig, event).await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "{source} {body:.40}");
+        let err: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(err["error"], code, "{body:.40}");
+        assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    assert_eq!(message_keys(&redis), 0);
+    assert_eq!(redis.cli(&["dbsize"]), "0", "nothing at all was written");
+
+    // Event header without status is fine; a numeric id is fine; `none` needs no signature.
+    let r = post("payzu", "{\"id\":\"t\"}".into(), signed("{\"id\":\"t\"}"), Some("INFRACTION_CHANGED")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = post("open", "{\"id\":42,\"status\":\"PAID\"}".into(), None, None).await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn rotated_secret_verifies() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let now = server.app.clock.now_secs();
+    let r = server
+        .client
+        .post(format!("{}/v1/callbacks/payzu", server.url))
+        .header("x-callback-signature", sign_payzu(b"old-secret", now, BODY.as_bytes()).replace(", ", ","))
+        .body(BODY)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}

@@ -1,0 +1,175 @@
+//! Test support: a private Redis, the server in-process on port 0, HTTP sinks on 127.0.0.1.
+#![allow(dead_code)]
+
+pub mod redis;
+pub mod sink;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use callbackd::app::App;
+use callbackd::clock::{Clock, ManualClock, SystemClock};
+use callbackd::config::Config;
+use callbackd::inbound::signature::sign_payzu;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub const CONNECTOR_TOKEN: &str = "connector-token-1";
+pub const ADMIN_TOKEN: &str = "admin-token-1";
+pub const PAYZU_SECRET: &str = "payzu-secret-1";
+
+/// A config for tests: fast retries, private addresses allowed (sinks are on 127.0.0.1).
+pub fn config(store_url: &str, forward_url: Option<&str>) -> Config {
+    let forward = forward_url
+        .map(|u| format!("forward_url = \"{u}\""))
+        .unwrap_or_default();
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_grace_secs = 5
+[store]
+url = "{store_url}"
+timeout_ms = 1000
+[auth]
+connector_tokens = ["{CONNECTOR_TOKEN}"]
+admin_tokens = ["{ADMIN_TOKEN}"]
+[dispatch]
+allow_private_networks = true
+initial_backoff_ms = 100
+max_backoff_secs = 1
+request_timeout_ms = 2000
+lease_secs = 7
+[sources.payzu]
+secrets = ["old-secret", "{PAYZU_SECRET}"]
+signature = "payzu"
+{forward}
+[sources.open]
+signature = "none"
+"#
+    );
+    Config::from_toml_str(&text, Path::new("test.toml"), std::iter::empty()).expect("test config")
+}
+
+pub struct TestServer {
+    pub url: String,
+    pub app: Arc<App>,
+    pub shutdown: CancellationToken,
+    task: Option<JoinHandle<()>>,
+    pub client: reqwest::Client,
+}
+
+impl TestServer {
+    pub async fn start(config: Config) -> TestServer {
+        Self::start_with_clock(config, Arc::new(SystemClock)).await
+    }
+
+    pub async fn start_with_clock(config: Config, clock: Arc<dyn Clock>) -> TestServer {
+        let app = callbackd::build(config, clock).await.expect("server builds");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn({
+            let app = app.clone();
+            let shutdown = shutdown.clone();
+            async move {
+                callbackd::serve(app, listener, shutdown).await.expect("server runs");
+            }
+        });
+        TestServer {
+            url,
+            app,
+            shutdown,
+            task: Some(task),
+            client: reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(20))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+
+    /// Posts a PayZu-signed callback (signed at the app clock's now).
+    pub async fn post_callback(
+        &self,
+        source: &str,
+        body: &str,
+        event: Option<&str>,
+    ) -> reqwest::Response {
+        let signature = sign_payzu(PAYZU_SECRET.as_bytes(), self.app.clock.now_secs(), body.as_bytes());
+        let mut req = self
+            .client
+            .post(format!("{}/v1/callbacks/{source}", self.url))
+            .header("x-callback-signature", signature)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        if let Some(e) = event {
+            req = req.header("x-callback-event", e);
+        }
+        req.send().await.expect("callback request")
+    }
+
+    pub async fn notify(&self, body: &serde_json::Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}/v1/notifications", self.url))
+            .bearer_auth(CONNECTOR_TOKEN)
+            .json(body)
+            .send()
+            .await
+            .expect("notification request")
+    }
+
+    pub async fn admin_get(&self, path: &str) -> reqwest::Response {
+        self.client
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .expect("admin request")
+    }
+
+    pub async fn admin_post(&self, path: &str, body: &serde_json::Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(body)
+            .send()
+            .await
+            .expect("admin request")
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+pub fn manual_clock() -> Arc<ManualClock> {
+    let now = SystemClock.now_ms();
+    Arc::new(ManualClock::new(now))
+}
+
+/// Polls `check` every 20 ms until it returns Some, or panics after `secs`.
+pub async fn eventually<T, F, Fut>(secs: u64, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {secs}s waiting for: {what}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
