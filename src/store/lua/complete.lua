@@ -18,7 +18,9 @@ if outcome == 'retry' or (outcome == 'delivered' and cur[4] == '1') then
   local next_at = tonumber(ARGV[5])
   local resume = tonumber(cur[3] or '0')
   if outcome == 'delivered' then next_at = tonumber(ARGV[6]) end
-  if resume > next_at then next_at = resume end
+  -- an operator's resend brought this attempt forward: the automatic schedule resumes
+  -- where it was, neither shortened nor pushed back
+  if outcome == 'retry' and resume >= tonumber(ARGV[6]) then next_at = resume end
   redis.call('HSET', KEYS[1], 'state', 'pending', 'resume', 0, 'again', 0)
   redis.call('ZADD', KEYS[4], next_at, id)
   redis.call('ZADD', KEYS[7], 0, id)
