@@ -33,7 +33,11 @@ pub struct App {
 }
 
 impl App {
-    pub fn new(config: Config, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Result<App, String> {
+    pub fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<App, String> {
         let mut sources = HashMap::new();
         for (name, cfg) in &config.sources {
             let verifier =

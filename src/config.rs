@@ -231,10 +231,12 @@ impl Config {
         path: &Path,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
-        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| ConfigError::Syntax {
-            path: path.to_path_buf(),
-            message: e.message().to_string(),
-        })?;
+        let mut table: toml::Table =
+            text.parse()
+                .map_err(|e: toml::de::Error| ConfigError::Syntax {
+                    path: path.to_path_buf(),
+                    message: e.message().to_string(),
+                })?;
         for (var, value) in env {
             if let Some(rest) = var.strip_prefix(OVERRIDE_PREFIX) {
                 apply_override(&mut table, &var, rest, &value)?;
@@ -261,7 +263,10 @@ impl Config {
             ("dispatch.max_backoff_secs", d.max_backoff_secs),
             ("dispatch.request_timeout_ms", d.request_timeout_ms),
             ("dispatch.concurrency", d.concurrency as u64),
-            ("dispatch.per_host_concurrency", d.per_host_concurrency as u64),
+            (
+                "dispatch.per_host_concurrency",
+                d.per_host_concurrency as u64,
+            ),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than 0"));
@@ -348,8 +353,7 @@ impl SourceConfig {
                 return Err(invalid(format!("{}[{i}]", key("secrets")), "is empty"));
             }
             if self.signature == SignatureScheme::StandardWebhooks {
-                decode_whsec(secret)
-                    .map_err(|m| invalid(format!("{}[{i}]", key("secrets")), m))?;
+                decode_whsec(secret).map_err(|m| invalid(format!("{}[{i}]", key("secrets")), m))?;
             }
         }
         if self.signature == SignatureScheme::HmacSha256 && self.signature_header.is_none() {
@@ -464,7 +468,10 @@ mod tests {
         assert_eq!(c.dispatch.request_timeout_ms, 10_000);
         assert_eq!(c.dispatch.concurrency, 64);
         assert!(!c.dispatch.allow_private_networks);
-        assert!(matches!(c.store_location().unwrap(), StoreLocation::Sqlite(_)));
+        assert!(matches!(
+            c.store_location().unwrap(),
+            StoreLocation::Sqlite(_)
+        ));
     }
 
     #[test]
@@ -510,7 +517,10 @@ mod tests {
                 "[sources.p]\nsignature = \"none\"\ndedupe_fields = [\"status\"]\n",
                 "sources.p.dedupe_fields[0]",
             ),
-            ("[sources.p]\nsignature = \"rot13\"\n", "sources.p.signature"),
+            (
+                "[sources.p]\nsignature = \"rot13\"\n",
+                "sources.p.signature",
+            ),
         ];
         for (text, key) in cases {
             let err = load(text, &[]).unwrap_err().to_string();

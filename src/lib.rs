@@ -47,7 +47,9 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
         .map_err(|e| StartError::Setup(e.to_string()))?;
     let retention = config.store.dedupe_ttl_secs;
     match location {
-        StoreLocation::Sqlite(path) => Err(StartError::Setup(format!("{} {retention}", path.display()))),
+        StoreLocation::Sqlite(path) => {
+            Err(StartError::Setup(format!("{} {retention}", path.display())))
+        }
         StoreLocation::Redis(url) => {
             let timeout = Duration::from_millis(config.store.timeout_ms);
             let store = RedisStore::connect(&url, timeout, retention).await?;

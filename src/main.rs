@@ -146,7 +146,12 @@ async fn serve(arg: ConfigArg) -> Result<(), String> {
     init_logging(&config);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
-        .map_err(|e| format!("cannot listen on {} (server.listen): {e}", config.server.listen))?;
+        .map_err(|e| {
+            format!(
+                "cannot listen on {} (server.listen): {e}",
+                config.server.listen
+            )
+        })?;
     tracing::info!(listen = %config.server.listen, store = %store_kind(&config), "callbackd starting");
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
@@ -198,7 +203,12 @@ fn check_config(arg: ConfigArg) -> Result<(), String> {
         store_kind(&config),
         config.store.url.split('@').next_back().unwrap_or_default(),
         config.sources.len(),
-        config.sources.keys().cloned().collect::<Vec<_>>().join(", "),
+        config
+            .sources
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", "),
         config.auth.connector_tokens.len(),
         config.auth.admin_tokens.len(),
     );
@@ -212,8 +222,12 @@ async fn call_admin(
     query: &[(&str, String)],
     body: Option<Value>,
 ) -> Result<(), String> {
-    let token = std::env::var(&remote.token_env)
-        .map_err(|_| format!("set ${} to an admin token (auth.admin_tokens)", remote.token_env))?;
+    let token = std::env::var(&remote.token_env).map_err(|_| {
+        format!(
+            "set ${} to an admin token (auth.admin_tokens)",
+            remote.token_env
+        )
+    })?;
     let client = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(60))
         .build()
@@ -307,10 +321,22 @@ async fn main() -> ExitCode {
             });
             let body = Value::Object(
                 body.as_object()
-                    .map(|o| o.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect())
+                    .map(|o| {
+                        o.iter()
+                            .filter(|(_, v)| !v.is_null())
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect()
+                    })
                     .unwrap_or_default(),
             );
-            call_admin(&remote, reqwest::Method::POST, "/v1/admin/resend", &[], Some(body)).await
+            call_admin(
+                &remote,
+                reqwest::Method::POST,
+                "/v1/admin/resend",
+                &[],
+                Some(body),
+            )
+            .await
         }
     };
     match result {

@@ -117,7 +117,11 @@ mod tests {
     #[test]
     fn terminal_states_have_no_way_out() {
         for from in PaymentStatus::ALL.into_iter().filter(|s| s.is_terminal()) {
-            assert!(PaymentStatus::ALL.into_iter().all(|to| !can_transition(from, to)));
+            assert!(
+                PaymentStatus::ALL
+                    .into_iter()
+                    .all(|to| !can_transition(from, to))
+            );
         }
     }
 

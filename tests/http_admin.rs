@@ -19,7 +19,13 @@ fn handoff(payment: &str, status: &str, url: &str) -> Value {
     json!({"paymentId": payment, "status": status, "callbackUrl": url})
 }
 
-async fn virtual_server(redis: &RedisServer) -> (TestServer, Arc<callbackd::clock::ManualClock>, Arc<Dispatcher>) {
+async fn virtual_server(
+    redis: &RedisServer,
+) -> (
+    TestServer,
+    Arc<callbackd::clock::ManualClock>,
+    Arc<Dispatcher>,
+) {
     let clock = support::manual_clock();
     let mut cfg = config(&redis.url(), None);
     cfg.dispatch.enabled = false;
@@ -30,7 +36,15 @@ async fn virtual_server(redis: &RedisServer) -> (TestServer, Arc<callbackd::cloc
     cfg.dispatch.per_host_concurrency = cfg.dispatch.concurrency;
     let server = TestServer::start_with_clock(cfg, clock.clone()).await;
     let app = &server.app;
-    let d = Arc::new(Dispatcher::new(&app.config, app.store.clone(), clock.clone(), app.wake.clone()).unwrap());
+    let d = Arc::new(
+        Dispatcher::new(
+            &app.config,
+            app.store.clone(),
+            clock.clone(),
+            app.wake.clone(),
+        )
+        .unwrap(),
+    );
     (server, clock, d)
 }
 
@@ -41,7 +55,12 @@ async fn view(server: &TestServer, id: &str) -> Value {
 }
 
 /// Drives one message through failed attempts until it is dead.
-async fn kill_message(server: &TestServer, clock: &callbackd::clock::ManualClock, d: &Arc<Dispatcher>, id: &str) {
+async fn kill_message(
+    server: &TestServer,
+    clock: &callbackd::clock::ManualClock,
+    d: &Arc<Dispatcher>,
+    id: &str,
+) {
     d.tick().await;
     loop {
         let v = view(server, id).await;
@@ -88,10 +107,15 @@ async fn inspect_a_message_that_failed_three_times() {
     assert_eq!(v["state"], "delivered");
     assert_eq!(v["attempts"][3]["status"], 204);
 
-    let missing = server.admin_get("/v1/messages/msg_000000000000000000000000000000").await;
+    let missing = server
+        .admin_get("/v1/messages/msg_000000000000000000000000000000")
+        .await;
     assert_eq!(missing.status(), 404);
     assert_eq!(missing.json::<Value>().await.unwrap()["error"], "not_found");
-    assert_eq!(server.admin_get("/v1/messages/../../etc").await.status(), 404);
+    assert_eq!(
+        server.admin_get("/v1/messages/../../etc").await.status(),
+        404
+    );
 }
 
 #[tokio::test]
@@ -102,7 +126,13 @@ async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive(
     let url = format!("{}/cb", sink.url);
     for i in 0..23 {
         clock.advance(1);
-        assert_eq!(server.notify(&handoff(&format!("dl-{i}"), "approved", &url)).await.status(), 202);
+        assert_eq!(
+            server
+                .notify(&handoff(&format!("dl-{i}"), "approved", &url))
+                .await
+                .status(),
+            202
+        );
     }
     d.tick().await;
     let mut seen = Vec::new();
@@ -123,7 +153,9 @@ async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive(
         if pages == 2 {
             for i in 0..4 {
                 clock.advance(1);
-                server.notify(&handoff(&format!("late-{i}"), "approved", &url)).await;
+                server
+                    .notify(&handoff(&format!("late-{i}"), "approved", &url))
+                    .await;
             }
             d.tick().await;
         }
@@ -134,12 +166,22 @@ async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive(
     }
     let unique: HashSet<&String> = seen.iter().collect();
     assert_eq!(unique.len(), seen.len(), "no duplicates");
-    assert_eq!(seen.len(), 27, "no gaps: the 23 and the 4 that arrived meanwhile");
+    assert_eq!(
+        seen.len(),
+        27,
+        "no gaps: the 23 and the 4 that arrived meanwhile"
+    );
     let mut sorted = seen.clone();
     sorted.sort();
     assert_eq!(sorted, seen, "oldest first");
 
-    for bad in ["state=zombie", "limit=0", "limit=5000", "cursor=%%%", "createdAtFrom=yesterday"] {
+    for bad in [
+        "state=zombie",
+        "limit=0",
+        "limit=5000",
+        "cursor=%%%",
+        "createdAtFrom=yesterday",
+    ] {
         let r = server.admin_get(&format!("/v1/messages?{bad}")).await;
         assert_eq!(r.status(), 400, "{bad}");
     }
@@ -153,7 +195,12 @@ async fn resend_by_id_payment_and_window_with_request_id() {
     let url = format!("{}/cb", sink.url);
     let mut ids = Vec::new();
     for i in 0..3 {
-        let a: Value = server.notify(&handoff(&format!("r-{i}"), "approved", &url)).await.json().await.unwrap();
+        let a: Value = server
+            .notify(&handoff(&format!("r-{i}"), "approved", &url))
+            .await
+            .json()
+            .await
+            .unwrap();
         ids.push(a["notificationId"].as_str().unwrap().to_string());
     }
     for id in &ids {
@@ -162,39 +209,66 @@ async fn resend_by_id_payment_and_window_with_request_id() {
     let before = sink.count();
 
     // By id.
-    let r = server.admin_post("/v1/admin/resend", &json!({"messageIds": [ids[0]], "requestId": "op-1"})).await;
+    let r = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [ids[0]], "requestId": "op-1"}),
+        )
+        .await;
     assert_eq!(r.status(), 200);
     let first = r.text().await.unwrap();
     let answer: Value = serde_json::from_str(&first).unwrap();
     assert_eq!(answer["resent"], 1);
     // The same requestId returns the stored answer and resends nothing.
-    let again = server.admin_post("/v1/admin/resend", &json!({"messageIds": [ids[0]], "requestId": "op-1"})).await;
+    let again = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [ids[0]], "requestId": "op-1"}),
+        )
+        .await;
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(again.text().await.unwrap(), first);
     d.tick().await;
     assert_eq!(sink.count(), before + 1, "resent exactly once");
     let v = view(&server, &ids[0]).await;
     assert_eq!(v["state"], "pending", "a fresh window after the resend");
-    let marks: Vec<&Value> = v["attempts"].as_array().unwrap().iter().filter(|a| a["kind"] == "resend").collect();
+    let marks: Vec<&Value> = v["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["kind"] == "resend")
+        .collect();
     assert_eq!(marks.len(), 1);
     assert_eq!(marks[0]["requestId"], "op-1");
 
     // By paymentId.
-    let r: Value = server.admin_post("/v1/admin/resend", &json!({"paymentId": "r-1"})).await.json().await.unwrap();
+    let r: Value = server
+        .admin_post("/v1/admin/resend", &json!({"paymentId": "r-1"}))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(r["messageIds"], json!([ids[1]]));
 
     // By window, narrowed by state.
-    let first_created = callbackd::store::MessageId::parse(&ids[0]).unwrap().created_at();
+    let first_created = callbackd::store::MessageId::parse(&ids[0])
+        .unwrap()
+        .created_at();
     let from = callbackd::clock::format_iso(first_created);
     let r: Value = server
-        .admin_post("/v1/admin/resend", &json!({"createdAtFrom": from, "state": "dead"}))
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"createdAtFrom": from, "state": "dead"}),
+        )
         .await
         .json()
         .await
         .unwrap();
     assert_eq!(r["messageIds"], json!([ids[2]]), "only the one still dead");
 
-    let none = server.admin_post("/v1/admin/resend", &json!({"state": "dead"})).await;
+    let none = server
+        .admin_post("/v1/admin/resend", &json!({"state": "dead"}))
+        .await;
     assert_eq!(none.status(), 400);
     assert_eq!(none.json::<Value>().await.unwrap()["error"], "no_selector");
 }
@@ -204,17 +278,30 @@ async fn resend_of_a_pending_message_keeps_its_schedule() {
     let redis = RedisServer::start();
     let (server, _clock, d) = virtual_server(&redis).await;
     let sink = Sink::start(|_, _| Reply::status(503)).await;
-    let a: Value = server.notify(&handoff("r-p", "approved", &format!("{}/cb", sink.url))).await.json().await.unwrap();
+    let a: Value = server
+        .notify(&handoff("r-p", "approved", &format!("{}/cb", sink.url)))
+        .await
+        .json()
+        .await
+        .unwrap();
     let id = a["notificationId"].as_str().unwrap();
     d.tick().await;
     d.tick().await;
     let scheduled = view(&server, id).await["nextAttemptAt"].clone();
-    let r: Value = server.admin_post("/v1/admin/resend", &json!({"messageIds": [id]})).await.json().await.unwrap();
+    let r: Value = server
+        .admin_post("/v1/admin/resend", &json!({"messageIds": [id]}))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(r["resent"], 1);
     d.tick().await;
     assert_eq!(sink.count(), 2, "delivered once more, now");
     let v = view(&server, id).await;
-    assert_eq!(v["nextAttemptAt"], scheduled, "the automatic schedule goes on unchanged");
+    assert_eq!(
+        v["nextAttemptAt"], scheduled,
+        "the automatic schedule goes on unchanged"
+    );
     assert_eq!(v["state"], "pending");
 }
 
@@ -222,13 +309,21 @@ async fn resend_of_a_pending_message_keeps_its_schedule() {
 async fn roles_on_admin_routes() {
     let redis = RedisServer::start();
     let server = TestServer::start(config(&redis.url(), None)).await;
-    for (token, status) in [(None, 401), (Some("nope-nope-nope"), 401), (Some(CONNECTOR_TOKEN), 403), (Some(ADMIN_TOKEN), 200)] {
+    for (token, status) in [
+        (None, 401),
+        (Some("nope-nope-nope"), 401),
+        (Some(CONNECTOR_TOKEN), 403),
+        (Some(ADMIN_TOKEN), 200),
+    ] {
         let mut r = server.client.get(format!("{}/v1/messages", server.url));
         if let Some(t) = token {
             r = r.bearer_auth(t);
         }
         assert_eq!(r.send().await.unwrap().status(), status, "{token:?}");
-        let mut r = server.client.post(format!("{}/v1/admin/resend", server.url)).json(&json!({"paymentId": "x"}));
+        let mut r = server
+            .client
+            .post(format!("{}/v1/admin/resend", server.url))
+            .json(&json!({"paymentId": "x"}));
         if let Some(t) = token {
             r = r.bearer_auth(t);
         }
@@ -247,38 +342,106 @@ fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
 async fn metrics_are_present_and_move() {
     let redis = RedisServer::start();
     let server = TestServer::start(config(&redis.url(), None)).await;
-    let scrape = || async { server.client.get(format!("{}/metrics", server.url)).send().await.unwrap().text().await.unwrap() };
+    let scrape = || async {
+        server
+            .client
+            .get(format!("{}/metrics", server.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
     let body = r#"{"id":"tx-m","status":"COMPLETED"}"#;
     server.post_callback("payzu", body, None).await;
     let before = scrape().await;
-    let replays_before = metric(&before, "callbackd_callbacks_total", &["outcome=\"replayed\"", "source=\"payzu\""]);
+    let replays_before = metric(
+        &before,
+        "callbackd_callbacks_total",
+        &["outcome=\"replayed\"", "source=\"payzu\""],
+    );
     server.post_callback("payzu", body, None).await;
     let after = scrape().await;
-    let replays_after = metric(&after, "callbackd_callbacks_total", &["outcome=\"replayed\"", "source=\"payzu\""]);
+    let replays_after = metric(
+        &after,
+        "callbackd_callbacks_total",
+        &["outcome=\"replayed\"", "source=\"payzu\""],
+    );
     assert_eq!(replays_after, replays_before + 1.0);
-    assert!(metric(&after, "callbackd_callbacks_total", &["outcome=\"accepted\""]) >= 1.0);
+    assert!(
+        metric(
+            &after,
+            "callbackd_callbacks_total",
+            &["outcome=\"accepted\""]
+        ) >= 1.0
+    );
     assert!(after.contains("callbackd_queue_depth{state=\"pending\"}"));
     assert!(after.contains("callbackd_accept_duration_seconds_bucket"));
-    let bad = server.client.post(format!("{}/v1/callbacks/payzu", server.url)).body(body).send().await.unwrap();
+    let bad = server
+        .client
+        .post(format!("{}/v1/callbacks/payzu", server.url))
+        .body(body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(bad.status(), 401);
-    assert!(metric(&scrape().await, "callbackd_callbacks_total", &["outcome=\"bad_signature\""]) >= 1.0);
+    assert!(
+        metric(
+            &scrape().await,
+            "callbackd_callbacks_total",
+            &["outcome=\"bad_signature\""]
+        ) >= 1.0
+    );
 }
 
 #[tokio::test]
 async fn openapi_documents_every_route() {
     let redis = RedisServer::start();
     let server = TestServer::start(config(&redis.url(), None)).await;
-    let spec: Value = server.client.get(format!("{}/openapi.json", server.url)).send().await.unwrap().json().await.unwrap();
+    let spec: Value = server
+        .client
+        .get(format!("{}/openapi.json", server.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert!(spec["openapi"].as_str().unwrap().starts_with("3."));
     for (method, path) in callbackd::http::ROUTES {
-        assert!(spec["paths"][path][method].is_object(), "{method} {path} missing from /openapi.json");
+        assert!(
+            spec["paths"][path][method].is_object(),
+            "{method} {path} missing from /openapi.json"
+        );
         // And the route really exists on the router.
-        let r = server.client.request(method.to_uppercase().parse().unwrap(), format!("{}{}", server.url, path.replace("{source}", "payzu").replace("{id}", "msg_x"))).send().await.unwrap();
+        let r = server
+            .client
+            .request(
+                method.to_uppercase().parse().unwrap(),
+                format!(
+                    "{}{}",
+                    server.url,
+                    path.replace("{source}", "payzu").replace("{id}", "msg_x")
+                ),
+            )
+            .send()
+            .await
+            .unwrap();
         assert_ne!(r.status(), 405, "{method} {path}");
     }
     assert!(spec["components"]["schemas"]["ErrorBody"].is_object());
-    let documented: usize = spec["paths"].as_object().unwrap().values().map(|p| p.as_object().unwrap().len()).sum();
-    assert_eq!(documented, callbackd::http::ROUTES.len(), "nothing documented that is not routed");
+    let documented: usize = spec["paths"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p.as_object().unwrap().len())
+        .sum();
+    assert_eq!(
+        documented,
+        callbackd::http::ROUTES.len(),
+        "nothing documented that is not routed"
+    );
 }
 
 #[tokio::test]
@@ -286,10 +449,20 @@ async fn cli_round_trip() {
     let redis = RedisServer::start();
     let sink = Sink::start(|_, _| Reply::status(410)).await;
     let server = TestServer::start(config(&redis.url(), None)).await;
-    let a: Value = server.notify(&handoff("cli-1", "approved", &format!("{}/cb", sink.url))).await.json().await.unwrap();
+    let a: Value = server
+        .notify(&handoff("cli-1", "approved", &format!("{}/cb", sink.url)))
+        .await
+        .json()
+        .await
+        .unwrap();
     let id = a["notificationId"].as_str().unwrap().to_string();
     eventually(10, "dead letter", || async {
-        let v: Value = server.admin_get(&format!("/v1/messages/{id}")).await.json().await.ok()?;
+        let v: Value = server
+            .admin_get(&format!("/v1/messages/{id}"))
+            .await
+            .json()
+            .await
+            .ok()?;
         (v["state"] == "dead").then_some(())
     })
     .await;
@@ -304,7 +477,11 @@ async fn cli_round_trip() {
                 .output()
                 .await
                 .unwrap();
-            (out.status.code(), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).to_string(),
+                String::from_utf8_lossy(&out.stderr).to_string(),
+            )
         }
     };
     let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
@@ -315,11 +492,21 @@ async fn cli_round_trip() {
     let (code, out, _) = cli(args(&["resend", "--id", &id, "--request-id", "cli-op"])).await;
     assert_eq!(code, Some(0));
     assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["resent"], 1);
-    eventually(10, "redelivered", || async { (sink.count() == 2).then_some(()) }).await;
-    let (code, out, _) = cli(args(&["messages", "list", "--state", "dead", "--limit", "5"])).await;
+    eventually(10, "redelivered", || async {
+        (sink.count() == 2).then_some(())
+    })
+    .await;
+    let (code, out, _) = cli(args(&[
+        "messages", "list", "--state", "dead", "--limit", "5",
+    ]))
+    .await;
     assert_eq!(code, Some(0));
     assert!(serde_json::from_str::<Value>(&out).unwrap()["messages"].is_array());
-    let no_token = Command::new(env!("CARGO_BIN_EXE_callbackd")).args(["messages", "list"]).env_remove("CALLBACKD_ADMIN_TOKEN").output().unwrap();
+    let no_token = Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .args(["messages", "list"])
+        .env_remove("CALLBACKD_ADMIN_TOKEN")
+        .output()
+        .unwrap();
     assert_eq!(no_token.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&no_token.stderr).contains("CALLBACKD_ADMIN_TOKEN"));
 }
@@ -369,13 +556,37 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
-    eventually(15, "server up", || async { client.get(format!("{base}/healthz")).send().await.ok().map(|_| ()) }).await;
+    eventually(15, "server up", || async {
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
     let body = r#"{"id":"tx-log","status":"COMPLETED"}"#;
     let now = callbackd::clock::SystemClock.now_secs();
-    let signature = callbackd::inbound::signature::sign_payzu(support::PAYZU_SECRET.as_bytes(), now, body.as_bytes());
-    let r = client.post(format!("{base}/v1/callbacks/payzu")).header("x-callback-signature", &signature).body(body).send().await.unwrap();
+    let signature = callbackd::inbound::signature::sign_payzu(
+        support::PAYZU_SECRET.as_bytes(),
+        now,
+        body.as_bytes(),
+    );
+    let r = client
+        .post(format!("{base}/v1/callbacks/payzu"))
+        .header("x-callback-signature", &signature)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    let r = client.post(format!("{base}/v1/callbacks/payzu")).header("x-callback-signature", "t=1, v1=deadbeef").body(body).send().await.unwrap();
+    let r = client
+        .post(format!("{base}/v1/callbacks/payzu"))
+        .header("x-callback-signature", "t=1, v1=deadbeef")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
     let r = client
         .post(format!("{base}/v1/notifications"))
@@ -386,10 +597,21 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
         .await
         .unwrap();
     assert_eq!(r.status(), 202);
-    client.get(format!("{base}/v1/messages")).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
-    eventually(15, "deliveries incl. a retry", || async { (sink.count() >= 3).then_some(()) }).await;
+    client
+        .get(format!("{base}/v1/messages"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    eventually(15, "deliveries incl. a retry", || async {
+        (sink.count() >= 3).then_some(())
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     let out = tokio::task::spawn_blocking(move || {
         let _ = child.wait();
         child
@@ -398,9 +620,14 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
     .unwrap()
     .wait_with_output()
     .unwrap();
-    let logs = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let logs =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(logs.lines().count() > 3, "the run logged something: {logs}");
-    assert!(logs.lines().all(|l| l.trim().is_empty() || serde_json::from_str::<Value>(l).is_ok()), "JSON logs");
+    assert!(
+        logs.lines()
+            .all(|l| l.trim().is_empty() || serde_json::from_str::<Value>(l).is_ok()),
+        "JSON logs"
+    );
     assert!(logs.contains("request_id"), "request ids on request spans");
     assert!(logs.contains("message_id"), "message ids on delivery spans");
     for secret in [

@@ -8,7 +8,8 @@ use callbackd::inbound::signature::sign_payzu;
 use support::redis::RedisServer;
 use support::{TestServer, config};
 
-const BODY: &str = r#"{"id":"tx:1","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":99.9}"#;
+const BODY: &str =
+    r#"{"id":"tx:1","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":99.9}"#;
 
 fn message_keys(redis: &RedisServer) -> usize {
     let keys = redis.cli(&["--scan", "--pattern", "cb:*:m:*"]);
@@ -71,7 +72,11 @@ async fn claim_survives_a_redis_restart_and_has_a_30_day_ttl() {
     let first_body = first.text().await.unwrap();
 
     let dedupe_keys = redis.cli(&["--scan", "--pattern", "cb:*:d:*"]);
-    let key = dedupe_keys.lines().next().expect("one dedupe key").to_string();
+    let key = dedupe_keys
+        .lines()
+        .next()
+        .expect("one dedupe key")
+        .to_string();
     let ttl: i64 = redis.cli(&["ttl", &key]).parse().unwrap();
     assert!((2_591_990..=2_592_000).contains(&ttl), "ttl {ttl}");
 
@@ -97,9 +102,19 @@ async fn redis_down_means_503_and_nothing_burned() {
     assert_eq!(down.headers()["retry-after"], "1");
     let err: serde_json::Value = down.json().await.unwrap();
     assert_eq!(err["error"], "store_unavailable");
-    let ready = server.client.get(format!("{}/readyz", server.url)).send().await.unwrap();
+    let ready = server
+        .client
+        .get(format!("{}/readyz", server.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(ready.status(), 503);
-    let healthy = server.client.get(format!("{}/healthz", server.url)).send().await.unwrap();
+    let healthy = server
+        .client
+        .get(format!("{}/healthz", server.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(healthy.status(), 200);
 
     redis.start_again();
@@ -112,7 +127,12 @@ async fn redis_down_means_503_and_nothing_burned() {
         accepted.headers().get("idempotent-replayed").is_none(),
         "the refused attempt burned no key: this is a first arrival"
     );
-    let ready = server.client.get(format!("{}/readyz", server.url)).send().await.unwrap();
+    let ready = server
+        .client
+        .get(format!("{}/readyz", server.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(ready.status(), 200);
 }
 
@@ -124,7 +144,10 @@ async fn forged_request_does_not_block_the_real_one() {
     let forged = server
         .client
         .post(format!("{}/v1/callbacks/payzu", server.url))
-        .header("x-callback-signature", sign_payzu(b"attacker", now, BODY.as_bytes()))
+        .header(
+            "x-callback-signature",
+            sign_payzu(b"attacker", now, BODY.as_bytes()),
+        )
         .body(BODY)
         .send()
         .await
@@ -159,19 +182,105 @@ async fn bad_requests_get_json_errors_and_change_nothing() {
         }
         req.send()
     };
-    let signed = |body: &str| Some(sign_payzu(support::PAYZU_SECRET.as_bytes(), now, body.as_bytes()));
-    let cases: Vec<(&str, String, Option<String>, Option<&str>, u16, &str)> = vec![
-        ("nope", BODY.into(), signed(BODY), None, 404, "unknown_source"),
+    let signed = |body: &str| {
+        Some(sign_payzu(
+            support::PAYZU_SECRET.as_bytes(),
+            now,
+            body.as_bytes(),
+        ))
+    };
+    /// source, body, signature header, event header, expected status, expected error code
+    type Case<'a> = (&'a str, String, Option<String>, Option<&'a str>, u16, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            "nope",
+            BODY.into(),
+            signed(BODY),
+            None,
+            404,
+            "unknown_source",
+        ),
         ("payzu", BODY.into(), None, None, 401, "invalid_signature"),
-        ("payzu", BODY.into(), Some("t=1, v1=00".into()), None, 401, "invalid_signature"),
-        ("payzu", BODY.into(), Some(sign_payzu(support::PAYZU_SECRET.as_bytes(), now - 400, BODY.as_bytes())), None, 401, "invalid_signature"),
-        ("payzu", BODY.into(), Some(sign_payzu(support::PAYZU_SECRET.as_bytes(), now + 400, BODY.as_bytes())), None, 401, "invalid_signature"),
-        ("payzu", "[1,2]".into(), signed("[1,2]"), None, 400, "invalid_callback"),
-        ("payzu", "{\"id\":".into(), signed("{\"id\":"), None, 400, "invalid_json"),
-        ("payzu", "{\"status\":\"X\"}".into(), signed("{\"status\":\"X\"}"), None, 400, "invalid_callback"),
-        ("payzu", "{\"id\":true,\"status\":\"X\"}".into(), signed("{\"id\":true,\"status\":\"X\"}"), None, 400, "invalid_callback"),
-        ("payzu", "{\"id\":\"t\"}".into(), signed("{\"id\":\"t\"}"), None, 400, "invalid_callback"),
-        ("payzu", "x".repeat(2000), signed(&"x".repeat(2000)), None, 413, "payload_too_large"),
+        (
+            "payzu",
+            BODY.into(),
+            Some("t=1, v1=00".into()),
+            None,
+            401,
+            "invalid_signature",
+        ),
+        (
+            "payzu",
+            BODY.into(),
+            Some(sign_payzu(
+                support::PAYZU_SECRET.as_bytes(),
+                now - 400,
+                BODY.as_bytes(),
+            )),
+            None,
+            401,
+            "invalid_signature",
+        ),
+        (
+            "payzu",
+            BODY.into(),
+            Some(sign_payzu(
+                support::PAYZU_SECRET.as_bytes(),
+                now + 400,
+                BODY.as_bytes(),
+            )),
+            None,
+            401,
+            "invalid_signature",
+        ),
+        (
+            "payzu",
+            "[1,2]".into(),
+            signed("[1,2]"),
+            None,
+            400,
+            "invalid_callback",
+        ),
+        (
+            "payzu",
+            "{\"id\":".into(),
+            signed("{\"id\":"),
+            None,
+            400,
+            "invalid_json",
+        ),
+        (
+            "payzu",
+            "{\"status\":\"X\"}".into(),
+            signed("{\"status\":\"X\"}"),
+            None,
+            400,
+            "invalid_callback",
+        ),
+        (
+            "payzu",
+            "{\"id\":true,\"status\":\"X\"}".into(),
+            signed("{\"id\":true,\"status\":\"X\"}"),
+            None,
+            400,
+            "invalid_callback",
+        ),
+        (
+            "payzu",
+            "{\"id\":\"t\"}".into(),
+            signed("{\"id\":\"t\"}"),
+            None,
+            400,
+            "invalid_callback",
+        ),
+        (
+            "payzu",
+            "x".repeat(2000),
+            signed(&"x".repeat(2000)),
+            None,
+            413,
+            "payload_too_large",
+        ),
     ];
     for (source, body, sig, event, status, code) in cases {
         let r = post(source, body.clone(), sig, event).await.unwrap();
@@ -184,9 +293,18 @@ async fn bad_requests_get_json_errors_and_change_nothing() {
     assert_eq!(redis.cli(&["dbsize"]), "0", "nothing at all was written");
 
     // Event header without status is fine; a numeric id is fine; `none` needs no signature.
-    let r = post("payzu", "{\"id\":\"t\"}".into(), signed("{\"id\":\"t\"}"), Some("INFRACTION_CHANGED")).await.unwrap();
+    let r = post(
+        "payzu",
+        "{\"id\":\"t\"}".into(),
+        signed("{\"id\":\"t\"}"),
+        Some("INFRACTION_CHANGED"),
+    )
+    .await
+    .unwrap();
     assert_eq!(r.status(), 200);
-    let r = post("open", "{\"id\":42,\"status\":\"PAID\"}".into(), None, None).await.unwrap();
+    let r = post("open", "{\"id\":42,\"status\":\"PAID\"}".into(), None, None)
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
 }
 
@@ -198,7 +316,10 @@ async fn rotated_secret_verifies() {
     let r = server
         .client
         .post(format!("{}/v1/callbacks/payzu", server.url))
-        .header("x-callback-signature", sign_payzu(b"old-secret", now, BODY.as_bytes()).replace(", ", ","))
+        .header(
+            "x-callback-signature",
+            sign_payzu(b"old-secret", now, BODY.as_bytes()).replace(", ", ","),
+        )
         .body(BODY)
         .timeout(Duration::from_secs(5))
         .send()

@@ -29,7 +29,10 @@ async fn record(server: &TestServer, id: &str) -> MessageRecord {
 }
 
 /// A server on a virtual clock with its dispatcher driven by the test.
-async fn virtual_server(redis: &RedisServer, tweak: impl FnOnce(&mut callbackd::config::Config)) -> (TestServer, Arc<ManualClock>, Arc<Dispatcher>) {
+async fn virtual_server(
+    redis: &RedisServer,
+    tweak: impl FnOnce(&mut callbackd::config::Config),
+) -> (TestServer, Arc<ManualClock>, Arc<Dispatcher>) {
     let clock = support::manual_clock();
     let mut cfg = config(&redis.url(), None);
     cfg.dispatch.enabled = false;
@@ -39,19 +42,32 @@ async fn virtual_server(redis: &RedisServer, tweak: impl FnOnce(&mut callbackd::
     let server = TestServer::start_with_clock(cfg, clock.clone()).await;
     let app = &server.app;
     let dispatcher = Arc::new(
-        Dispatcher::new(&app.config, app.store.clone(), clock.clone(), app.wake.clone()).unwrap(),
+        Dispatcher::new(
+            &app.config,
+            app.store.clone(),
+            clock.clone(),
+            app.wake.clone(),
+        )
+        .unwrap(),
     );
     (server, clock, dispatcher)
 }
 
 /// Advances the virtual clock to each next attempt until the message is finished.
-async fn run_to_completion(server: &TestServer, clock: &ManualClock, d: &Arc<Dispatcher>, id: &str) -> MessageRecord {
+async fn run_to_completion(
+    server: &TestServer,
+    clock: &ManualClock,
+    d: &Arc<Dispatcher>,
+    id: &str,
+) -> MessageRecord {
     d.tick().await;
     loop {
         let rec = record(server, id).await;
         match rec.state {
             MessageState::Pending => {
-                let next = rec.next_attempt_at.expect("a pending head has a next attempt");
+                let next = rec
+                    .next_attempt_at
+                    .expect("a pending head has a next attempt");
                 assert!(next <= rec.deadline, "never scheduled past the deadline");
                 clock.set(next.max(clock.now_ms()));
                 d.tick().await;
@@ -73,7 +89,12 @@ async fn handoff_is_idempotent_and_byte_identical() {
     let answer: Value = serde_json::from_slice(&first_bytes).unwrap();
     assert_eq!(answer["paymentId"], "pay-1");
     assert_eq!(answer["status"], "approved");
-    assert!(answer["notificationId"].as_str().unwrap().starts_with("msg_"));
+    assert!(
+        answer["notificationId"]
+            .as_str()
+            .unwrap()
+            .starts_with("msg_")
+    );
 
     let again = server.notify(&body).await;
     assert_eq!(again.status(), 202);
@@ -83,7 +104,10 @@ async fn handoff_is_idempotent_and_byte_identical() {
     let changed = handoff("pay-1", "approved", &format!("{}/other", sink.url));
     let conflict = server.notify(&changed).await;
     assert_eq!(conflict.status(), 422);
-    assert_eq!(conflict.json::<Value>().await.unwrap()["error"], "idempotency_key_reused");
+    assert_eq!(
+        conflict.json::<Value>().await.unwrap()["error"],
+        "idempotency_key_reused"
+    );
 
     // An Idempotency-Key header overrides paymentId + status.
     let keyed = |key: &str| {
@@ -100,7 +124,10 @@ async fn handoff_is_idempotent_and_byte_identical() {
     let k1_again = keyed("req-1").await.unwrap();
     assert_eq!(k1_again.headers()["idempotent-replayed"], "true");
 
-    eventually(10, "both deliveries", || async { (sink.count() == 2).then_some(()) }).await;
+    eventually(10, "both deliveries", || async {
+        (sink.count() == 2).then_some(())
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(sink.count(), 2, "repeats created nothing");
 }
@@ -123,7 +150,10 @@ async fn fifty_concurrent_identical_handoffs_deliver_once() {
     }
     assert_eq!(fresh, 1);
     assert_eq!(bodies.len(), 1);
-    eventually(10, "the delivery", || async { (sink.count() == 1).then_some(()) }).await;
+    eventually(10, "the delivery", || async {
+        (sink.count() == 1).then_some(())
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(sink.count(), 1);
 }
@@ -164,12 +194,33 @@ async fn state_machine_over_http() {
             accepted += 1;
         }
     }
-    let err: Value = server.notify(&handoff("p1", "cancelled", &url)).await.json().await.unwrap();
+    let err: Value = server
+        .notify(&handoff("p1", "cancelled", &url))
+        .await
+        .json()
+        .await
+        .unwrap();
     assert_eq!(err["from"], "refunded");
-    assert_eq!(server.app.store.payment_status("p1").await.unwrap().as_deref(), Some("refunded"));
-    eventually(10, "accepted ones delivered", || async { (sink.count() == accepted).then_some(()) }).await;
+    assert_eq!(
+        server
+            .app
+            .store
+            .payment_status("p1")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("refunded")
+    );
+    eventually(10, "accepted ones delivered", || async {
+        (sink.count() == accepted).then_some(())
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(sink.count(), accepted, "a refused transition enqueues nothing");
+    assert_eq!(
+        sink.count(),
+        accepted,
+        "a refused transition enqueues nothing"
+    );
 
     for bad in [
         json!({"paymentId": "p9", "status": "APPROVED", "callbackUrl": url}),
@@ -194,7 +245,10 @@ async fn roles_are_enforced() {
     let server = TestServer::start(config(&redis.url(), None)).await;
     let body = handoff("p", "approved", "http://127.0.0.1:9/cb");
     let post = |token: Option<&str>| {
-        let mut r = server.client.post(format!("{}/v1/notifications", server.url)).json(&body);
+        let mut r = server
+            .client
+            .post(format!("{}/v1/notifications", server.url))
+            .json(&body);
         if let Some(t) = token {
             r = r.bearer_auth(t);
         }
@@ -202,7 +256,10 @@ async fn roles_are_enforced() {
     };
     assert_eq!(post(None).await.unwrap().status(), 401);
     assert_eq!(post(Some("wrong-token-x")).await.unwrap().status(), 401);
-    assert_eq!(post(Some(support::ADMIN_TOKEN)).await.unwrap().status(), 403);
+    assert_eq!(
+        post(Some(support::ADMIN_TOKEN)).await.unwrap().status(),
+        403
+    );
 }
 
 #[tokio::test]
@@ -210,7 +267,8 @@ async fn callback_url_and_headers_arrive_byte_for_byte() {
     let redis = RedisServer::start();
     let sink = Sink::ok().await;
     let server = TestServer::start(config(&redis.url(), None)).await;
-    let path = "/api/pvt/payments/pay-9/callback?X-VTEX-signature=ab%2Fcd%3D%3D&an=store%20one&x=%7E~";
+    let path =
+        "/api/pvt/payments/pay-9/callback?X-VTEX-signature=ab%2Fcd%3D%3D&an=store%20one&x=%7E~";
     let body = json!({
         "paymentId": "pay-9", "status": "approved",
         "callbackUrl": format!("{}{path}", sink.url),
@@ -218,14 +276,26 @@ async fn callback_url_and_headers_arrive_byte_for_byte() {
         "headers": {"X-VTEX-API-AppKey": "app-key", "X-VTEX-API-AppToken": "app-token-secret"},
     });
     let answer: Value = server.notify(&body).await.json().await.unwrap();
-    eventually(10, "delivery", || async { (sink.count() == 1).then_some(()) }).await;
+    eventually(10, "delivery", || async {
+        (sink.count() == 1).then_some(())
+    })
+    .await;
     let got = &sink.received()[0];
     assert_eq!(got.uri, path);
     assert_eq!(got.header("x-vtex-api-appkey").as_deref(), Some("app-key"));
-    assert_eq!(got.header("x-vtex-api-apptoken").as_deref(), Some("app-token-secret"));
-    assert_eq!(got.header("x-callbackd-message-id").as_deref(), answer["notificationId"].as_str());
+    assert_eq!(
+        got.header("x-vtex-api-apptoken").as_deref(),
+        Some("app-token-secret")
+    );
+    assert_eq!(
+        got.header("x-callbackd-message-id").as_deref(),
+        answer["notificationId"].as_str()
+    );
     assert_eq!(got.header("x-callbackd-attempt").as_deref(), Some("1"));
-    assert_eq!(got.json(), json!({"paymentId": "pay-9", "status": "approved", "tid": "T-1"}));
+    assert_eq!(
+        got.json(),
+        json!({"paymentId": "pay-9", "status": "approved", "tid": "T-1"})
+    );
 }
 
 #[tokio::test]
@@ -245,9 +315,15 @@ async fn ssrf_targets_are_refused_at_handoff() {
         let r = server.notify(&handoff("p-ssrf", "approved", url)).await;
         assert_eq!(r.status(), 400, "{url}");
         let err: Value = r.json().await.unwrap();
-        assert!(err["message"].as_str().unwrap().contains("callbackUrl"), "{err}");
+        assert!(
+            err["message"].as_str().unwrap().contains("callbackUrl"),
+            "{err}"
+        );
     }
-    assert_eq!(server.app.store.payment_status("p-ssrf").await.unwrap(), None);
+    assert_eq!(
+        server.app.store.payment_status("p-ssrf").await.unwrap(),
+        None
+    );
 }
 
 #[tokio::test]
@@ -270,19 +346,50 @@ async fn approved_retried_three_times_still_arrives_before_settled() {
     .await;
     let server = TestServer::start(config(&redis.url(), None)).await;
     let url = format!("{}/cb", counting.url);
-    assert_eq!(server.notify(&handoff("p-ord", "approved", &url)).await.status(), 202);
-    eventually(10, "first failure", || async { (counting.count() >= 1).then_some(()) }).await;
-    assert_eq!(server.notify(&handoff("p-ord", "settled", &url)).await.status(), 202);
+    assert_eq!(
+        server
+            .notify(&handoff("p-ord", "approved", &url))
+            .await
+            .status(),
+        202
+    );
+    eventually(10, "first failure", || async {
+        (counting.count() >= 1).then_some(())
+    })
+    .await;
+    assert_eq!(
+        server
+            .notify(&handoff("p-ord", "settled", &url))
+            .await
+            .status(),
+        202
+    );
     // Another payment is not held up by p-ord's retries.
-    assert_eq!(server.notify(&handoff("p-other", "approved", &format!("{}/other", counting.url))).await.status(), 202);
-    eventually(20, "all delivered", || async { (counting.count() == 6).then_some(()) }).await;
+    assert_eq!(
+        server
+            .notify(&handoff(
+                "p-other",
+                "approved",
+                &format!("{}/other", counting.url)
+            ))
+            .await
+            .status(),
+        202
+    );
+    eventually(20, "all delivered", || async {
+        (counting.count() == 6).then_some(())
+    })
+    .await;
     let statuses: Vec<String> = counting
         .received()
         .iter()
         .filter(|r| r.uri == "/cb")
         .map(|r| r.json()["status"].as_str().unwrap().to_string())
         .collect();
-    assert_eq!(statuses, ["approved", "approved", "approved", "approved", "settled"]);
+    assert_eq!(
+        statuses,
+        ["approved", "approved", "approved", "approved", "settled"]
+    );
     let attempts: Vec<String> = counting
         .received()
         .iter()
@@ -300,42 +407,95 @@ async fn seven_days_on_a_virtual_clock() {
     let six_days = 6 * 86_400_000;
     let sink = Sink::start({
         let clock = clock.clone();
-        move |_, _| Reply::status(if clock.now_ms() - start < six_days { 503 } else { 204 })
+        move |_, _| {
+            Reply::status(if clock.now_ms() - start < six_days {
+                503
+            } else {
+                204
+            })
+        }
     })
     .await;
 
     // Down for six days, then up: delivered once.
-    let answer: Value = server.notify(&handoff("p-6d", "approved", &format!("{}/cb", sink.url))).await.json().await.unwrap();
-    let rec = run_to_completion(&server, &clock, &d, answer["notificationId"].as_str().unwrap()).await;
+    let answer: Value = server
+        .notify(&handoff("p-6d", "approved", &format!("{}/cb", sink.url)))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let rec = run_to_completion(
+        &server,
+        &clock,
+        &d,
+        answer["notificationId"].as_str().unwrap(),
+    )
+    .await;
     assert_eq!(rec.state, MessageState::Delivered);
     let successes = rec.history.iter().filter(|a| a.status == Some(204)).count();
     assert_eq!(successes, 1);
-    println!("down 6 days then up: delivered at attempt {}", rec.history.len());
+    println!(
+        "down 6 days then up: delivered at attempt {}",
+        rec.history.len()
+    );
     assert!(rec.history.len() > 100, "hourly retries over six days");
     assert_eq!(sink.count(), rec.history.len());
 
     // Down forever: dead exactly at the deadline, nothing after it.
     let down = Sink::start(|_, _| Reply::status(500)).await;
     clock.set(start);
-    let answer: Value = server.notify(&handoff("p-7d", "approved", &format!("{}/cb", down.url))).await.json().await.unwrap();
-    let rec = run_to_completion(&server, &clock, &d, answer["notificationId"].as_str().unwrap()).await;
+    let answer: Value = server
+        .notify(&handoff("p-7d", "approved", &format!("{}/cb", down.url)))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let rec = run_to_completion(
+        &server,
+        &clock,
+        &d,
+        answer["notificationId"].as_str().unwrap(),
+    )
+    .await;
     assert_eq!(rec.state, MessageState::Dead);
     let last = rec.history.last().unwrap();
-    assert_eq!(last.at, rec.message.deadline, "the last attempt lands at the deadline");
-    assert_eq!(rec.message.deadline - rec.message.created_at, 7 * 86_400_000);
-    println!("down for good: {} attempts over 7 days, then dead", rec.history.len());
+    assert_eq!(
+        last.at, rec.message.deadline,
+        "the last attempt lands at the deadline"
+    );
+    assert_eq!(
+        rec.message.deadline - rec.message.created_at,
+        7 * 86_400_000
+    );
+    println!(
+        "down for good: {} attempts over 7 days, then dead",
+        rec.history.len()
+    );
     clock.advance(86_400_000);
     d.tick().await;
-    assert_eq!(down.count(), rec.history.len(), "no attempt after the deadline");
+    assert_eq!(
+        down.count(),
+        rec.history.len(),
+        "no attempt after the deadline"
+    );
 
     // maxAgeSecs shortens the window.
     let short = Sink::start(|_, _| Reply::status(500)).await;
     clock.set(start);
     let body = json!({"paymentId": "p-pix", "status": "approved", "callbackUrl": format!("{}/cb", short.url), "maxAgeSecs": 900});
     let answer: Value = server.notify(&body).await.json().await.unwrap();
-    let rec = run_to_completion(&server, &clock, &d, answer["notificationId"].as_str().unwrap()).await;
+    let rec = run_to_completion(
+        &server,
+        &clock,
+        &d,
+        answer["notificationId"].as_str().unwrap(),
+    )
+    .await;
     assert_eq!(rec.state, MessageState::Dead);
-    assert_eq!(rec.history.last().unwrap().at - rec.message.created_at, 900_000);
+    assert_eq!(
+        rec.history.last().unwrap().at - rec.message.created_at,
+        900_000
+    );
     assert!(rec.history.len() < 15);
 }
 
@@ -345,10 +505,22 @@ async fn retry_after_gone_and_failures() {
     let (server, clock, d) = virtual_server(&redis, |c| c.dispatch.request_timeout_ms = 300).await;
     let date = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(300));
     let sink = Sink::start(move |req, _| match req.uri.as_str() {
-        "/seconds" => Reply { status: 429, retry_after: Some("120".into()), delay: Duration::ZERO },
-        "/date" => Reply { status: 503, retry_after: Some(date.clone()), delay: Duration::ZERO },
+        "/seconds" => Reply {
+            status: 429,
+            retry_after: Some("120".into()),
+            delay: Duration::ZERO,
+        },
+        "/date" => Reply {
+            status: 503,
+            retry_after: Some(date.clone()),
+            delay: Duration::ZERO,
+        },
         "/gone" => Reply::status(410),
-        "/hang" => Reply { status: 204, retry_after: None, delay: Duration::from_secs(2) },
+        "/hang" => Reply {
+            status: 204,
+            retry_after: None,
+            delay: Duration::from_secs(2),
+        },
         _ => Reply::status(500),
     })
     .await;
@@ -365,15 +537,27 @@ async fn retry_after_gone_and_failures() {
     .iter()
     .enumerate()
     {
-        let a: Value = server.notify(&handoff(&format!("p-r{i}"), "approved", url)).await.json().await.unwrap();
+        let a: Value = server
+            .notify(&handoff(&format!("p-r{i}"), "approved", url))
+            .await
+            .json()
+            .await
+            .unwrap();
         ids.push(a["notificationId"].as_str().unwrap().to_string());
     }
     let now = clock.now_ms();
     d.tick().await;
     let recs = futures::future::join_all(ids.iter().map(|id| record(&server, id))).await;
-    assert_eq!(recs[0].next_attempt_at, Some(now + 120_000), "Retry-After seconds");
+    assert_eq!(
+        recs[0].next_attempt_at,
+        Some(now + 120_000),
+        "Retry-After seconds"
+    );
     let by_date = recs[1].next_attempt_at.unwrap() - now;
-    assert!((295_000..=301_000).contains(&by_date), "Retry-After date: {by_date}");
+    assert!(
+        (295_000..=301_000).contains(&by_date),
+        "Retry-After date: {by_date}"
+    );
     assert_eq!(recs[2].state, MessageState::Dead, "410 stops at once");
     assert_eq!(recs[2].history.len(), 1);
     assert_eq!(recs[3].history[0].error.as_deref(), Some("timeout"));
@@ -382,7 +566,10 @@ async fn retry_after_gone_and_failures() {
     for r in [&recs[3], &recs[4], &recs[5]] {
         assert_eq!(r.state, MessageState::Pending, "retried");
         let delay = r.next_attempt_at.unwrap() - now;
-        assert!((500..=1_000).contains(&delay), "first retry after 0.5-1 s, got {delay}");
+        assert!(
+            (500..=1_000).contains(&delay),
+            "first retry after 0.5-1 s, got {delay}"
+        );
     }
 }
 
@@ -392,24 +579,43 @@ async fn inbound_callbacks_are_forwarded_and_signed() {
     let sink = Sink::ok().await;
     let mut cfg = config(&redis.url(), Some(&format!("{}/payzu-events", sink.url)));
     let source = cfg.sources.get_mut("payzu").unwrap();
-    source.forward_headers.insert("Authorization".into(), "Bearer merchant".into());
+    source
+        .forward_headers
+        .insert("Authorization".into(), "Bearer merchant".into());
     source.forward_secret = Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into());
     let server = TestServer::start(cfg).await;
     let body = r#"{"id":"tx-f","status":"COMPLETED","amount":10.5}"#;
-    let r = server.post_callback("payzu", body, Some("TRANSACTION_PAID")).await;
+    let r = server
+        .post_callback("payzu", body, Some("TRANSACTION_PAID"))
+        .await;
     assert_eq!(r.status(), 200);
-    eventually(10, "forward", || async { (sink.count() == 1).then_some(()) }).await;
+    eventually(10, "forward", || async {
+        (sink.count() == 1).then_some(())
+    })
+    .await;
     let got = &sink.received()[0];
     assert_eq!(got.uri, "/payzu-events");
     assert_eq!(got.body, body, "the provider's body, byte for byte");
-    assert_eq!(got.header("x-callback-event").as_deref(), Some("TRANSACTION_PAID"));
-    assert_eq!(got.header("authorization").as_deref(), Some("Bearer merchant"));
+    assert_eq!(
+        got.header("x-callback-event").as_deref(),
+        Some("TRANSACTION_PAID")
+    );
+    assert_eq!(
+        got.header("authorization").as_deref(),
+        Some("Bearer merchant")
+    );
     // The merchant verifies the forward with the Standard Webhooks scheme.
     let verifier = callbackd::inbound::signature::Verifier::StandardWebhooks {
-        secrets: vec![callbackd::config::decode_whsec("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap()],
+        secrets: vec![
+            callbackd::config::decode_whsec("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap(),
+        ],
         tolerance_secs: 300,
     };
     verifier
-        .verify(&got.headers, got.body.as_bytes(), server.app.clock.now_secs())
+        .verify(
+            &got.headers,
+            got.body.as_bytes(),
+            server.app.clock.now_secs(),
+        )
         .expect("forward signature verifies");
 }

@@ -61,7 +61,10 @@ shutdown_grace_secs = 10
         let url = format!("http://127.0.0.1:{port}");
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(std::time::Instant::now() < deadline, "callbackd did not start");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "callbackd did not start"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         Process {
@@ -109,7 +112,11 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
         move |_, _| {
             if first.fetch_add(1, Ordering::SeqCst) == 0 {
                 // Hold the first attempt until the worker is dead.
-                Reply { status: 204, retry_after: None, delay: Duration::from_millis(900) }
+                Reply {
+                    status: 204,
+                    retry_after: None,
+                    delay: Duration::from_millis(900),
+                }
             } else {
                 Reply::status(204)
             }
@@ -119,7 +126,10 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
     let mut doomed = Process::start(&redis, &[]);
     let client = reqwest::Client::new();
     let answer = hand_off(&client, &doomed.url, "p-crash", &format!("{}/cb", sink.url)).await;
-    eventually(10, "first attempt in flight", || async { (sink.count() == 1).then_some(()) }).await;
+    eventually(10, "first attempt in flight", || async {
+        (sink.count() == 1).then_some(())
+    })
+    .await;
     doomed.child.kill().unwrap();
     doomed.child.wait().unwrap();
 
@@ -131,7 +141,11 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
     let got = sink.received();
     let id = answer["notificationId"].as_str().unwrap();
     assert_eq!(got[0].header("x-callbackd-message-id").as_deref(), Some(id));
-    assert_eq!(got[1].header("x-callbackd-message-id").as_deref(), Some(id), "stable id lets the receiver drop the redelivery");
+    assert_eq!(
+        got[1].header("x-callbackd-message-id").as_deref(),
+        Some(id),
+        "stable id lets the receiver drop the redelivery"
+    );
     let view: Value = eventually(10, "recorded as delivered", || async {
         let v: Value = client
             .get(format!("{}/v1/messages/{id}", survivor.url))
@@ -145,7 +159,10 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
         (v["state"] == "delivered").then_some(v)
     })
     .await;
-    assert_eq!(view["attemptCount"], 1, "the killed attempt was never recorded");
+    assert_eq!(
+        view["attemptCount"], 1,
+        "the killed attempt was never recorded"
+    );
 }
 
 #[tokio::test]
@@ -194,11 +211,19 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
 #[tokio::test]
 async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
     let redis = RedisServer::start();
-    let sink = Sink::start(|_, _| Reply { status: 204, retry_after: None, delay: Duration::from_millis(800) }).await;
+    let sink = Sink::start(|_, _| Reply {
+        status: 204,
+        retry_after: None,
+        delay: Duration::from_millis(800),
+    })
+    .await;
     let mut process = Process::start(&redis, &[]);
     let client = reqwest::Client::new();
     let answer = hand_off(&client, &process.url, "p-term", &format!("{}/cb", sink.url)).await;
-    eventually(10, "delivery in flight", || async { (sink.count() == 1).then_some(()) }).await;
+    eventually(10, "delivery in flight", || async {
+        (sink.count() == 1).then_some(())
+    })
+    .await;
     process.signal("TERM");
     let status = tokio::task::spawn_blocking(move || {
         let status = process.child.wait().unwrap();

@@ -82,11 +82,7 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<u64> {
         return Some(secs.saturating_mul(1000));
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    Some(
-        at.duration_since(now)
-            .unwrap_or(Duration::ZERO)
-            .as_millis() as u64,
-    )
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO).as_millis() as u64)
 }
 
 /// Headers of one attempt: configured ones first, then ours, which win on a clash so the
@@ -107,16 +103,24 @@ pub fn build_headers(
             headers.insert(n, v);
         }
     }
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if let Ok(id) = HeaderValue::from_str(msg.id.as_str()) {
         headers.insert(MESSAGE_ID_HEADER, id);
     }
     headers.insert(ATTEMPT_HEADER, HeaderValue::from(claimed.attempts + 1));
-    if let Some(event) = msg.event.as_deref().and_then(|e| HeaderValue::from_str(e).ok()) {
+    if let Some(event) = msg
+        .event
+        .as_deref()
+        .and_then(|e| HeaderValue::from_str(e).ok())
+    {
         headers.insert(EVENT_HEADER, event);
     }
     if let Some(secret) = signing_secret {
-        let signature = sign_standard_webhook(secret, msg.id.as_str(), now_secs, msg.body.as_bytes());
+        let signature =
+            sign_standard_webhook(secret, msg.id.as_str(), now_secs, msg.body.as_bytes());
         for (name, value) in [
             ("webhook-id", msg.id.to_string()),
             ("webhook-timestamp", now_secs.to_string()),
@@ -232,22 +236,50 @@ mod tests {
     };
 
     fn status(s: u16) -> AttemptResult {
-        AttemptResult { status: Some(s), error: None, retry_after_ms: None }
+        AttemptResult {
+            status: Some(s),
+            error: None,
+            retry_after_ms: None,
+        }
     }
 
     #[test]
     fn classification() {
         let c = claimed(0, 100_000);
-        assert_eq!(classify(&status(204), BACKOFF, &c, 0, 0.0), Verdict::Delivered);
+        assert_eq!(
+            classify(&status(204), BACKOFF, &c, 0, 0.0),
+            Verdict::Delivered
+        );
         assert_eq!(classify(&status(410), BACKOFF, &c, 0, 0.0), Verdict::Gone);
         for s in [500, 503, 429, 404, 301, 400] {
-            assert_eq!(classify(&status(s), BACKOFF, &c, 0, 0.0), Verdict::Retry(1000), "{s}");
+            assert_eq!(
+                classify(&status(s), BACKOFF, &c, 0, 0.0),
+                Verdict::Retry(1000),
+                "{s}"
+            );
         }
-        let timeout = AttemptResult { status: None, error: Some("timeout".into()), retry_after_ms: None };
-        assert_eq!(classify(&timeout, BACKOFF, &claimed(3, 100_000), 0, 0.0), Verdict::Retry(8000));
-        let later = AttemptResult { status: Some(429), error: None, retry_after_ms: Some(30_000) };
-        assert_eq!(classify(&later, BACKOFF, &c, 5, 0.0), Verdict::Retry(30_005));
-        assert_eq!(classify(&status(500), BACKOFF, &c, 100_000, 0.0), Verdict::Expired);
+        let timeout = AttemptResult {
+            status: None,
+            error: Some("timeout".into()),
+            retry_after_ms: None,
+        };
+        assert_eq!(
+            classify(&timeout, BACKOFF, &claimed(3, 100_000), 0, 0.0),
+            Verdict::Retry(8000)
+        );
+        let later = AttemptResult {
+            status: Some(429),
+            error: None,
+            retry_after_ms: Some(30_000),
+        };
+        assert_eq!(
+            classify(&later, BACKOFF, &c, 5, 0.0),
+            Verdict::Retry(30_005)
+        );
+        assert_eq!(
+            classify(&status(500), BACKOFF, &c, 100_000, 0.0),
+            Verdict::Expired
+        );
     }
 
     #[test]

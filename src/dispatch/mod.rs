@@ -187,10 +187,8 @@ impl Dispatcher {
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
         }
-        let drained = tokio::time::timeout(grace, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
+        let drained =
+            tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
         if drained.is_err() {
             tasks.abort_all();
             while tasks.join_next().await.is_some() {}
@@ -250,7 +248,10 @@ impl Dispatcher {
             return;
         };
         let Some(_host_permit) = self.host_permit(&url) else {
-            let _ = self.store.release(&c, self.clock.now_ms() + HOST_BUSY_DELAY_MS).await;
+            let _ = self
+                .store
+                .release(&c, self.clock.now_ms() + HOST_BUSY_DELAY_MS)
+                .await;
             self.untrack(&c);
             return;
         };
@@ -269,9 +270,14 @@ impl Dispatcher {
             self.clock.now_secs(),
         );
         let started = Instant::now();
-        let result =
-            delivery::send(&self.client, &url, headers, c.message.body.clone(), self.allow_private)
-                .await;
+        let result = delivery::send(
+            &self.client,
+            &url,
+            headers,
+            c.message.body.clone(),
+            self.allow_private,
+        )
+        .await;
         let latency = started.elapsed();
         let now = self.clock.now_ms();
         let verdict = delivery::classify(&result, self.backoff, &c, now, rand::random::<f64>());

@@ -25,7 +25,10 @@ pub enum Next {
 /// Base delay before retry number `step + 1` (step = failures so far, minus one).
 pub fn base_delay_ms(backoff: Backoff, step: u32) -> u64 {
     let factor = 1u64.checked_shl(step.min(63)).unwrap_or(u64::MAX);
-    backoff.initial_ms.saturating_mul(factor).min(backoff.max_ms)
+    backoff
+        .initial_ms
+        .saturating_mul(factor)
+        .min(backoff.max_ms)
 }
 
 /// Decides the next attempt after a failure at `now`.
@@ -94,7 +97,10 @@ mod tests {
         assert_eq!(*times.last().unwrap(), WEEK);
         assert!(times.iter().all(|t| *t <= WEEK));
         // 13 doubling attempts (incl. the first) reach 4095 s, then hourly, then the deadline.
-        assert_eq!(times.len(), 13 + (WEEK as usize - 4_095_000) / 3_600_000 + 1);
+        assert_eq!(
+            times.len(),
+            13 + (WEEK as usize - 4_095_000) / 3_600_000 + 1
+        );
     }
 
     #[test]
@@ -106,7 +112,10 @@ mod tests {
                 let gap = (pair[1] - pair[0]) as u64;
                 let base = base_delay_ms(DEFAULT, step as u32);
                 assert!(gap <= base, "gap {gap} > base {base}");
-                assert!(gap >= base / 2 || pair[1] == WEEK, "gap {gap} < half of {base}");
+                assert!(
+                    gap >= base / 2 || pair[1] == WEEK,
+                    "gap {gap} < half of {base}"
+                );
             }
         }
     }
@@ -121,7 +130,10 @@ mod tests {
             next_attempt(DEFAULT, 0, WEEK - 10, WEEK, 0.0, Some(120_000)),
             Next::RetryAt(WEEK)
         );
-        assert_eq!(next_attempt(DEFAULT, 0, WEEK, WEEK, 0.0, None), Next::GiveUp);
+        assert_eq!(
+            next_attempt(DEFAULT, 0, WEEK, WEEK, 0.0, None),
+            Next::GiveUp
+        );
     }
 
     #[test]

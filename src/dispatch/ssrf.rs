@@ -154,21 +154,49 @@ mod tests {
     #[test]
     fn forbidden_ranges() {
         for bad in [
-            "127.0.0.1", "10.0.0.1", "172.16.5.4", "192.168.1.1", "169.254.169.254", "0.0.0.0",
-            "100.64.0.1", "255.255.255.255", "224.0.0.1", "::1", "::", "fe80::1", "fc00::1",
-            "fd00:ec2::254", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "::127.0.0.1",
-            "64:ff9b::a9fe:a9fe", "ff02::1",
+            "127.0.0.1",
+            "10.0.0.1",
+            "172.16.5.4",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "255.255.255.255",
+            "224.0.0.1",
+            "::1",
+            "::",
+            "fe80::1",
+            "fc00::1",
+            "fd00:ec2::254",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.1",
+            "::127.0.0.1",
+            "64:ff9b::a9fe:a9fe",
+            "ff02::1",
         ] {
-            assert!(is_forbidden(bad.parse().unwrap()), "{bad} should be refused");
+            assert!(
+                is_forbidden(bad.parse().unwrap()),
+                "{bad} should be refused"
+            );
         }
-        for good in ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8"] {
-            assert!(!is_forbidden(good.parse().unwrap()), "{good} should be allowed");
+        for good in [
+            "8.8.8.8",
+            "1.1.1.1",
+            "2606:4700:4700::1111",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(
+                !is_forbidden(good.parse().unwrap()),
+                "{good} should be allowed"
+            );
         }
     }
 
     #[tokio::test]
     async fn urls_are_checked_with_literals_and_names() {
-        let guard = SsrfGuard { allow_private: false };
+        let guard = SsrfGuard {
+            allow_private: false,
+        };
         let t = Duration::from_secs(2);
         for bad in [
             "http://127.0.0.1/cb",
@@ -179,15 +207,28 @@ mod tests {
             "http://localhost:9/cb",
         ] {
             assert!(
-                matches!(guard.check_url(bad, t).await, Err(SsrfError::Forbidden { .. })),
+                matches!(
+                    guard.check_url(bad, t).await,
+                    Err(SsrfError::Forbidden { .. })
+                ),
                 "{bad}"
             );
         }
         for bad in ["ftp://example.com/", "not a url", "/relative"] {
-            assert!(matches!(guard.check_url(bad, t).await, Err(SsrfError::BadUrl(_))), "{bad}");
+            assert!(
+                matches!(guard.check_url(bad, t).await, Err(SsrfError::BadUrl(_))),
+                "{bad}"
+            );
         }
-        assert!(guard.check_url("https://93.184.215.14/cb?X-VTEX-signature=a%2Fb", t).await.is_ok());
-        let open = SsrfGuard { allow_private: true };
+        assert!(
+            guard
+                .check_url("https://93.184.215.14/cb?X-VTEX-signature=a%2Fb", t)
+                .await
+                .is_ok()
+        );
+        let open = SsrfGuard {
+            allow_private: true,
+        };
         assert!(open.check_url("http://127.0.0.1/cb", t).await.is_ok());
     }
 }

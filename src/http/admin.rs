@@ -22,8 +22,8 @@ use crate::error::{ApiError, ErrorBody};
 use crate::metrics as m;
 use crate::payment;
 use crate::store::{
-    Attempt, ListFilter, MessageId, MessageKind, MessageRecord, MessageState,
-    OperationReservation, ResendEffect,
+    Attempt, ListFilter, MessageId, MessageKind, MessageRecord, MessageState, OperationReservation,
+    ResendEffect,
 };
 
 const DEFAULT_LIMIT: usize = 100;
@@ -180,13 +180,17 @@ impl Selection {
             .as_deref()
             .map(|s| {
                 MessageState::parse(s).ok_or_else(|| {
-                    bad(format!("`state`: `{s}` is not pending, in_flight, delivered, dead or recorded"))
+                    bad(format!(
+                        "`state`: `{s}` is not pending, in_flight, delivered, dead or recorded"
+                    ))
                 })
             })
             .transpose()?;
         let time = |field: &str, v: &Option<String>| {
             v.as_deref()
-                .map(|s| parse_iso(s).ok_or_else(|| bad(format!("`{field}`: `{s}` is not ISO-8601"))))
+                .map(|s| {
+                    parse_iso(s).ok_or_else(|| bad(format!("`{field}`: `{s}` is not ISO-8601")))
+                })
                 .transpose()
         };
         let ordering_key = match (&self.payment_id, &self.transaction_id) {
@@ -197,8 +201,14 @@ impl Selection {
             (None, Some(t)) => {
                 let source = match &self.source {
                     Some(s) => s.clone(),
-                    None if app.sources.len() == 1 => app.sources.keys().next().cloned().unwrap_or_default(),
-                    None => return Err(bad("`transactionId` needs `source` when several sources are configured")),
+                    None if app.sources.len() == 1 => {
+                        app.sources.keys().next().cloned().unwrap_or_default()
+                    }
+                    None => {
+                        return Err(bad(
+                            "`transactionId` needs `source` when several sources are configured",
+                        ));
+                    }
                 };
                 Some(format!("src/{source}/{t}"))
             }
@@ -336,9 +346,14 @@ pub async fn resend(
         .as_ref()
         .map(|ids| {
             if ids.len() > MAX_RESEND_IDS {
-                return Err(bad(format!("at most {MAX_RESEND_IDS} `messageIds` per request")));
+                return Err(bad(format!(
+                    "at most {MAX_RESEND_IDS} `messageIds` per request"
+                )));
             }
-            Ok(ids.iter().filter_map(|id| MessageId::parse(id)).collect::<Vec<_>>())
+            Ok(ids
+                .iter()
+                .filter_map(|id| MessageId::parse(id))
+                .collect::<Vec<_>>())
         })
         .transpose()?;
     let selection = Selection {
@@ -366,7 +381,9 @@ pub async fn resend(
             .await?
         {
             OperationReservation::Fresh => {}
-            OperationReservation::Done(answer) => return Ok(raw_json(StatusCode::OK, answer, true)),
+            OperationReservation::Done(answer) => {
+                return Ok(raw_json(StatusCode::OK, answer, true));
+            }
             OperationReservation::InProgress => {
                 return Err(ApiError::Conflict(
                     "a resend with this requestId is still running".into(),

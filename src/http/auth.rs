@@ -16,10 +16,9 @@ pub enum Role {
 
 fn any_equal(tokens: &[String], presented: &[u8]) -> bool {
     // Every token is compared (no early exit), so timing does not reveal which one matched.
-    tokens
-        .iter()
-        .fold(0u8, |hit, t| hit | t.as_bytes().ct_eq(presented).unwrap_u8())
-        == 1
+    tokens.iter().fold(0u8, |hit, t| {
+        hit | t.as_bytes().ct_eq(presented).unwrap_u8()
+    }) == 1
 }
 
 pub fn require(app: &App, headers: &HeaderMap, role: Role) -> Result<(), ApiError> {
@@ -27,7 +26,9 @@ pub fn require(app: &App, headers: &HeaderMap, role: Role) -> Result<(), ApiErro
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .ok_or(ApiError::Unauthorized("missing `Authorization: Bearer <token>` header"))?
+        .ok_or(ApiError::Unauthorized(
+            "missing `Authorization: Bearer <token>` header",
+        ))?
         .trim()
         .as_bytes();
     let auth = &app.config.auth;

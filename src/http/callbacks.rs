@@ -96,8 +96,9 @@ async fn accept(
         .verifier
         .verify(headers, &bytes, app.clock.now_secs())
         .map_err(|e| ApiError::BadSignature(e.to_string()))?;
-    let json: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}")))?;
+    let json: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}"))
+    })?;
     let event = event_header(headers)?;
     let key = dedupe::derive(&source.name, &json, event.as_deref(), &source.dedupe_fields)
         .map_err(|e| ApiError::bad_request("invalid_callback", e.to_string()))?;
@@ -140,11 +141,11 @@ async fn accept(
             Ok((response, false))
         }
         AcceptOutcome::Replayed { response } => Ok((response, true)),
-        AcceptOutcome::Conflict | AcceptOutcome::InvalidTransition { .. } => Err(
-            ApiError::Unavailable(crate::store::StoreError::Corrupt(
+        AcceptOutcome::Conflict | AcceptOutcome::InvalidTransition { .. } => {
+            Err(ApiError::Unavailable(crate::store::StoreError::Corrupt(
                 "inbound claim answered like a notification".into(),
-            )),
-        ),
+            )))
+        }
     }
 }
 
@@ -153,7 +154,10 @@ fn event_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
         return Ok(None);
     };
     let text = value.to_str().map_err(|_| {
-        ApiError::bad_request("invalid_event_header", "X-Callback-Event must be visible ASCII")
+        ApiError::bad_request(
+            "invalid_event_header",
+            "X-Callback-Event must be visible ASCII",
+        )
     })?;
     let text = text.trim();
     if text.is_empty() || text.len() > MAX_EVENT_LEN {

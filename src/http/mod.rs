@@ -17,7 +17,9 @@ use axum::body::{Body, Bytes};
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, HeaderValue, Request, header};
 use axum::routing::{get, post};
-use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer};
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
 use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 
@@ -126,11 +128,18 @@ pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<
 }
 
 /// A JSON answer with an exact body (stored responses are replayed byte for byte).
-pub fn raw_json(status: axum::http::StatusCode, body: String, replayed: bool) -> axum::response::Response {
+pub fn raw_json(
+    status: axum::http::StatusCode,
+    body: String,
+    replayed: bool,
+) -> axum::response::Response {
     let mut response = axum::response::Response::new(Body::from(body));
     *response.status_mut() = status;
     let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if replayed {
         headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     }

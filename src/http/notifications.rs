@@ -118,8 +118,9 @@ pub async fn hand_off(
 async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, bool), ApiError> {
     require(app, headers, Role::Connector)?;
     let bytes = read_body(body, headers, app.config.server.max_body_bytes).await?;
-    let value: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}"))
+    })?;
     let req: NotificationRequest = serde_path_to_error::deserialize(&value).map_err(|e| {
         ApiError::bad_request("invalid_request", format!("`{}`: {}", e.path(), e.inner()))
     })?;
@@ -129,9 +130,7 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
     let now = app.clock.now_ms();
     let ordering_key = payment::ordering_key(&req.payment_id);
     let id = MessageId::generate(now, &ordering_key);
-    let window_secs = req
-        .max_age_secs
-        .unwrap_or(app.config.dispatch.max_age_secs);
+    let window_secs = req.max_age_secs.unwrap_or(app.config.dispatch.max_age_secs);
     let deadline = now.saturating_add(window_secs.saturating_mul(1000) as i64);
     let response = serde_json::to_string(&NotificationAccepted {
         notification_id: id.to_string(),
@@ -202,11 +201,17 @@ fn field_error(field: &str, message: impl std::fmt::Display) -> ApiError {
 
 async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus, ApiError> {
     if req.payment_id.is_empty() || req.payment_id.len() > MAX_ID_LEN {
-        return Err(field_error("paymentId", format!("must be 1 to {MAX_ID_LEN} characters")));
+        return Err(field_error(
+            "paymentId",
+            format!("must be 1 to {MAX_ID_LEN} characters"),
+        ));
     }
     let to = PaymentStatus::parse(&req.status).ok_or_else(|| {
         let valid: Vec<&str> = PaymentStatus::ALL.iter().map(|s| s.as_str()).collect();
-        field_error("status", format!("`{}` is not one of {}", req.status, valid.join(", ")))
+        field_error(
+            "status",
+            format!("`{}` is not one of {}", req.status, valid.join(", ")),
+        )
     })?;
     app.ssrf
         .check_url(&req.callback_url, Duration::from_secs(2))
@@ -214,16 +219,26 @@ async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus,
         .map_err(|e| field_error("callbackUrl", e))?;
     if let Some(headers) = &req.headers {
         if headers.len() > MAX_HEADERS {
-            return Err(field_error("headers", format!("at most {MAX_HEADERS} headers")));
+            return Err(field_error(
+                "headers",
+                format!("at most {MAX_HEADERS} headers"),
+            ));
         }
         for (name, value) in headers {
             let parsed = HeaderName::from_bytes(name.as_bytes())
                 .map_err(|_| field_error("headers", format!("`{name}` is not a header name")))?;
             if RESERVED_HEADERS.contains(&parsed.as_str()) {
-                return Err(field_error("headers", format!("`{name}` is set by callbackd")));
+                return Err(field_error(
+                    "headers",
+                    format!("`{name}` is set by callbackd"),
+                ));
             }
-            HeaderValue::from_str(value)
-                .map_err(|_| field_error("headers", format!("value of `{name}` is not a valid header value")))?;
+            HeaderValue::from_str(value).map_err(|_| {
+                field_error(
+                    "headers",
+                    format!("value of `{name}` is not a valid header value"),
+                )
+            })?;
         }
     }
     if let Some(max_age) = req.max_age_secs
@@ -231,7 +246,10 @@ async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus,
     {
         return Err(field_error(
             "maxAgeSecs",
-            format!("must be 1 to {} (dispatch.max_age_secs)", app.config.dispatch.max_age_secs),
+            format!(
+                "must be 1 to {} (dispatch.max_age_secs)",
+                app.config.dispatch.max_age_secs
+            ),
         ));
     }
     Ok(to)

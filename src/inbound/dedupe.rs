@@ -100,7 +100,13 @@ mod tests {
         let completed = key(json!({"id": "tx1", "status": "COMPLETED"}), None);
         let refunded = key(json!({"id": "tx1", "status": "REFUNDED"}), None);
         assert_ne!(completed, refunded);
-        assert_eq!(completed, key(json!({"id": "tx1", "status": "COMPLETED", "amount": 1}), None));
+        assert_eq!(
+            completed,
+            key(
+                json!({"id": "tx1", "status": "COMPLETED", "amount": 1}),
+                None
+            )
+        );
     }
 
     #[test]
@@ -121,18 +127,42 @@ mod tests {
     #[test]
     fn infractions_and_refunds_are_part_of_the_key() {
         let e = Some("INFRACTION_CHANGED");
-        let open = key(json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "OPEN"}}), e);
-        let closed = key(json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "CLOSED"}}), e);
-        let open_again = key(json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "OPEN"}}), e);
-        let other = key(json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i2", "status": "OPEN"}}), e);
+        let open = key(
+            json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "OPEN"}}),
+            e,
+        );
+        let closed = key(
+            json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "CLOSED"}}),
+            e,
+        );
+        let open_again = key(
+            json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "OPEN"}}),
+            e,
+        );
+        let other = key(
+            json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i2", "status": "OPEN"}}),
+            e,
+        );
         assert_ne!(open, closed);
         assert_eq!(open, open_again);
         assert_ne!(open, other);
-        let no_event_open = key(json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "OPEN"}}), None);
-        let no_event_closed = key(json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "CLOSED"}}), None);
+        let no_event_open = key(
+            json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "OPEN"}}),
+            None,
+        );
+        let no_event_closed = key(
+            json!({"id": "tx1", "status": "COMPLETED", "infraction": {"id": "i1", "status": "CLOSED"}}),
+            None,
+        );
         assert_ne!(no_event_open, no_event_closed);
-        let r10 = key(json!({"id": "tx1", "status": "COMPLETED", "refundStatus": "PARTIALLY_REFUNDED", "refundAmount": 10}), None);
-        let r25 = key(json!({"id": "tx1", "status": "COMPLETED", "refundStatus": "PARTIALLY_REFUNDED", "refundAmount": 25}), None);
+        let r10 = key(
+            json!({"id": "tx1", "status": "COMPLETED", "refundStatus": "PARTIALLY_REFUNDED", "refundAmount": 10}),
+            None,
+        );
+        let r25 = key(
+            json!({"id": "tx1", "status": "COMPLETED", "refundStatus": "PARTIALLY_REFUNDED", "refundAmount": 25}),
+            None,
+        );
         assert_ne!(r10, r25);
     }
 
@@ -147,38 +177,93 @@ mod tests {
             key(json!({"id": "a", "status": "s"}), None)
         );
         assert_ne!(
-            derive("a", &json!({"id": "x", "status": "s"}), None, &DEFAULT_FIELDS).unwrap().key,
-            derive("b", &json!({"id": "x", "status": "s"}), None, &DEFAULT_FIELDS).unwrap().key
+            derive(
+                "a",
+                &json!({"id": "x", "status": "s"}),
+                None,
+                &DEFAULT_FIELDS
+            )
+            .unwrap()
+            .key,
+            derive(
+                "b",
+                &json!({"id": "x", "status": "s"}),
+                None,
+                &DEFAULT_FIELDS
+            )
+            .unwrap()
+            .key
         );
         assert_ne!(
             key(json!({"id": "1", "status": "s"}), None),
-            key(json!({"id": "1", "status": "s", "refundAmount": null, "refundStatus": "1"}), None)
+            key(
+                json!({"id": "1", "status": "s", "refundAmount": null, "refundStatus": "1"}),
+                None
+            )
         );
     }
 
     #[test]
     fn numeric_ids_work_and_bad_input_is_named() {
-        let d = derive("p", &json!({"id": 123456, "status": "REFUNDED"}), None, &DEFAULT_FIELDS).unwrap();
+        let d = derive(
+            "p",
+            &json!({"id": 123456, "status": "REFUNDED"}),
+            None,
+            &DEFAULT_FIELDS,
+        )
+        .unwrap();
         assert_eq!(d.transaction_id, "123456");
-        let err = |body: Value, event: Option<&str>| derive("p", &body, event, &DEFAULT_FIELDS).unwrap_err();
+        let err = |body: Value, event: Option<&str>| {
+            derive("p", &body, event, &DEFAULT_FIELDS).unwrap_err()
+        };
         assert_eq!(err(json!([1]), None), KeyError::NotAnObject);
         assert_eq!(err(json!({"status": "X"}), None), KeyError::MissingId);
-        assert_eq!(err(json!({"id": null, "status": "X"}), None), KeyError::MissingId);
-        assert_eq!(err(json!({"id": true, "status": "X"}), None), KeyError::BadId);
+        assert_eq!(
+            err(json!({"id": null, "status": "X"}), None),
+            KeyError::MissingId
+        );
+        assert_eq!(
+            err(json!({"id": true, "status": "X"}), None),
+            KeyError::BadId
+        );
         assert_eq!(err(json!({"id": "", "status": "X"}), None), KeyError::BadId);
-        assert_eq!(err(json!({"id": {"a": 1}, "status": "X"}), None), KeyError::BadId);
+        assert_eq!(
+            err(json!({"id": {"a": 1}, "status": "X"}), None),
+            KeyError::BadId
+        );
         assert_eq!(err(json!({"id": "t"}), None), KeyError::MissingStatus);
-        assert_eq!(err(json!({"id": "t", "status": {}}), None), KeyError::BadStatus);
+        assert_eq!(
+            err(json!({"id": "t", "status": {}}), None),
+            KeyError::BadStatus
+        );
         assert!(derive("p", &json!({"id": "t"}), Some("E"), &DEFAULT_FIELDS).is_ok());
     }
 
     #[test]
     fn configured_fields_replace_the_default() {
         let fields = ["/status", "/data/version"];
-        let k = |v: i64| derive("p", &json!({"id": "t", "status": "S", "data": {"version": v}}), None, &fields).unwrap().key;
+        let k = |v: i64| {
+            derive(
+                "p",
+                &json!({"id": "t", "status": "S", "data": {"version": v}}),
+                None,
+                &fields,
+            )
+            .unwrap()
+            .key
+        };
         assert_ne!(k(1), k(2));
         let no_refund = ["/status"];
-        let r = |amount: i64| derive("p", &json!({"id": "t", "status": "S", "refundAmount": amount}), None, &no_refund).unwrap().key;
+        let r = |amount: i64| {
+            derive(
+                "p",
+                &json!({"id": "t", "status": "S", "refundAmount": amount}),
+                None,
+                &no_refund,
+            )
+            .unwrap()
+            .key
+        };
         assert_eq!(r(1), r(2));
     }
 }

@@ -62,7 +62,13 @@ impl std::fmt::Debug for Verifier {
 impl Verifier {
     /// Builds the verifier of a validated source config.
     pub fn from_config(source: &SourceConfig) -> Result<Verifier, String> {
-        let raw = || source.secrets.iter().map(|s| s.as_bytes().to_vec()).collect();
+        let raw = || {
+            source
+                .secrets
+                .iter()
+                .map(|s| s.as_bytes().to_vec())
+                .collect()
+        };
         let tolerance_secs = i64::try_from(source.tolerance_secs).unwrap_or(i64::MAX);
         Ok(match source.signature {
             SignatureScheme::None => Verifier::None,
@@ -123,12 +129,17 @@ impl Verifier {
                     .ok_or_else(|| SignatureError::Missing(WEBHOOK_ID.to_string()))?
                     .as_bytes();
                 let ts_raw = header_str(headers, WEBHOOK_TIMESTAMP)?;
-                let timestamp: i64 = ts_raw.trim().parse().map_err(|_| SignatureError::Malformed {
-                    header: WEBHOOK_TIMESTAMP.into(),
-                    reason: "not an integer".into(),
-                })?;
+                let timestamp: i64 =
+                    ts_raw
+                        .trim()
+                        .parse()
+                        .map_err(|_| SignatureError::Malformed {
+                            header: WEBHOOK_TIMESTAMP.into(),
+                            reason: "not an integer".into(),
+                        })?;
                 check_tolerance(timestamp, now_secs, *tolerance_secs)?;
-                let signatures = parse_standard_signatures(header_str(headers, WEBHOOK_SIGNATURE)?)?;
+                let signatures =
+                    parse_standard_signatures(header_str(headers, WEBHOOK_SIGNATURE)?)?;
                 let suffix = format!(".{timestamp}.");
                 any_matches(secrets, &signatures, &[id, suffix.as_bytes(), body])
             }
@@ -261,7 +272,10 @@ pub fn sign_payzu(secret: &[u8], timestamp: i64, body: &[u8]) -> String {
     let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC accepts keys of any length");
     mac.update(format!("{timestamp}.").as_bytes());
     mac.update(body);
-    format!("t={timestamp}, v1={}", hex::encode(mac.finalize().into_bytes()))
+    format!(
+        "t={timestamp}, v1={}",
+        hex::encode(mac.finalize().into_bytes())
+    )
 }
 
 #[cfg(test)]
@@ -294,9 +308,15 @@ mod tests {
         let body = br#"{"id":"tx1","status":"COMPLETED"}"#;
         let sig = sign_payzu(b"new", NOW, body);
         let v = payzu(&["old", "new"]);
-        assert_eq!(v.verify(&headers(&[(PAYZU_HEADER, &sig)]), body, NOW), Ok(()));
+        assert_eq!(
+            v.verify(&headers(&[(PAYZU_HEADER, &sig)]), body, NOW),
+            Ok(())
+        );
         let no_space = sig.replace(", ", ",");
-        assert_eq!(v.verify(&headers(&[(PAYZU_HEADER, &no_space)]), body, NOW), Ok(()));
+        assert_eq!(
+            v.verify(&headers(&[(PAYZU_HEADER, &no_space)]), body, NOW),
+            Ok(())
+        );
     }
 
     #[test]
@@ -306,11 +326,19 @@ mod tests {
         let v = payzu(&["s1"]);
         let check = |h: &HeaderMap, b: &[u8], now: i64| v.verify(h, b, now);
         assert_eq!(
-            check(&headers(&[(PAYZU_HEADER, &sign_payzu(b"wrong", NOW, body))]), body, NOW),
+            check(
+                &headers(&[(PAYZU_HEADER, &sign_payzu(b"wrong", NOW, body))]),
+                body,
+                NOW
+            ),
             Err(SignatureError::Mismatch)
         );
         assert_eq!(
-            check(&headers(&[(PAYZU_HEADER, &good)]), br#"{"id":"tx1","status":"REFUNDED"}"#, NOW),
+            check(
+                &headers(&[(PAYZU_HEADER, &good)]),
+                br#"{"id":"tx1","status":"REFUNDED"}"#,
+                NOW
+            ),
             Err(SignatureError::Mismatch)
         );
         assert_eq!(
@@ -325,7 +353,14 @@ mod tests {
             check(&headers(&[]), body, NOW),
             Err(SignatureError::Missing(PAYZU_HEADER.into()))
         );
-        for malformed in ["", "v1=abc", "t=abc, v1=00", "t=1", "garbage", "t=1,t=2,v1=00"] {
+        for malformed in [
+            "",
+            "v1=abc",
+            "t=abc, v1=00",
+            "t=1",
+            "garbage",
+            "t=1,t=2,v1=00",
+        ] {
             assert!(
                 matches!(
                     check(&headers(&[(PAYZU_HEADER, malformed)]), body, NOW),
@@ -352,19 +387,53 @@ mod tests {
         let sig = sign_standard_webhook(&secret, "msg_1", NOW, body);
         let ts = NOW.to_string();
         let both = format!("v1,AAAA {sig}");
-        let ok = headers(&[(WEBHOOK_ID, "msg_1"), (WEBHOOK_TIMESTAMP, &ts), (WEBHOOK_SIGNATURE, &both)]);
+        let ok = headers(&[
+            (WEBHOOK_ID, "msg_1"),
+            (WEBHOOK_TIMESTAMP, &ts),
+            (WEBHOOK_SIGNATURE, &both),
+        ]);
         assert_eq!(v.verify(&ok, body, NOW), Ok(()));
         assert_eq!(v.verify(&ok, b"{}", NOW), Err(SignatureError::Mismatch));
-        assert!(matches!(v.verify(&ok, body, NOW + 1000), Err(SignatureError::OutsideTolerance(_))));
-        assert!(matches!(v.verify(&ok, body, NOW - 1000), Err(SignatureError::OutsideTolerance(_))));
-        let other_id = headers(&[(WEBHOOK_ID, "msg_2"), (WEBHOOK_TIMESTAMP, &ts), (WEBHOOK_SIGNATURE, &sig)]);
-        assert_eq!(v.verify(&other_id, body, NOW), Err(SignatureError::Mismatch));
+        assert!(matches!(
+            v.verify(&ok, body, NOW + 1000),
+            Err(SignatureError::OutsideTolerance(_))
+        ));
+        assert!(matches!(
+            v.verify(&ok, body, NOW - 1000),
+            Err(SignatureError::OutsideTolerance(_))
+        ));
+        let other_id = headers(&[
+            (WEBHOOK_ID, "msg_2"),
+            (WEBHOOK_TIMESTAMP, &ts),
+            (WEBHOOK_SIGNATURE, &sig),
+        ]);
+        assert_eq!(
+            v.verify(&other_id, body, NOW),
+            Err(SignatureError::Mismatch)
+        );
         let missing = headers(&[(WEBHOOK_ID, "msg_1"), (WEBHOOK_TIMESTAMP, &ts)]);
-        assert_eq!(v.verify(&missing, body, NOW), Err(SignatureError::Missing(WEBHOOK_SIGNATURE.into())));
-        let v2 = headers(&[(WEBHOOK_ID, "msg_1"), (WEBHOOK_TIMESTAMP, &ts), (WEBHOOK_SIGNATURE, "v2,abc")]);
-        assert!(matches!(v.verify(&v2, body, NOW), Err(SignatureError::Malformed { .. })));
-        let bad_ts = headers(&[(WEBHOOK_ID, "msg_1"), (WEBHOOK_TIMESTAMP, "soon"), (WEBHOOK_SIGNATURE, &sig)]);
-        assert!(matches!(v.verify(&bad_ts, body, NOW), Err(SignatureError::Malformed { .. })));
+        assert_eq!(
+            v.verify(&missing, body, NOW),
+            Err(SignatureError::Missing(WEBHOOK_SIGNATURE.into()))
+        );
+        let v2 = headers(&[
+            (WEBHOOK_ID, "msg_1"),
+            (WEBHOOK_TIMESTAMP, &ts),
+            (WEBHOOK_SIGNATURE, "v2,abc"),
+        ]);
+        assert!(matches!(
+            v.verify(&v2, body, NOW),
+            Err(SignatureError::Malformed { .. })
+        ));
+        let bad_ts = headers(&[
+            (WEBHOOK_ID, "msg_1"),
+            (WEBHOOK_TIMESTAMP, "soon"),
+            (WEBHOOK_SIGNATURE, &sig),
+        ]);
+        assert!(matches!(
+            v.verify(&bad_ts, body, NOW),
+            Err(SignatureError::Malformed { .. })
+        ));
     }
 
     #[test]
@@ -377,17 +446,32 @@ mod tests {
             secrets: vec![b"k".to_vec()],
             header: HeaderName::from_static("x-signature"),
         };
-        assert_eq!(v.verify(&headers(&[("x-signature", &hex_sig)]), body, NOW), Ok(()));
+        assert_eq!(
+            v.verify(&headers(&[("x-signature", &hex_sig)]), body, NOW),
+            Ok(())
+        );
         let prefixed = format!("sha256={hex_sig}");
-        assert_eq!(v.verify(&headers(&[("x-signature", &prefixed)]), body, NOW), Ok(()));
-        assert_eq!(v.verify(&headers(&[("x-signature", &prefixed)]), b"{}", NOW), Err(SignatureError::Mismatch));
-        assert!(matches!(v.verify(&headers(&[("x-signature", "xyz")]), body, NOW), Err(SignatureError::Malformed { .. })));
-        assert!(matches!(v.verify(&headers(&[]), body, NOW), Err(SignatureError::Missing(_))));
+        assert_eq!(
+            v.verify(&headers(&[("x-signature", &prefixed)]), body, NOW),
+            Ok(())
+        );
+        assert_eq!(
+            v.verify(&headers(&[("x-signature", &prefixed)]), b"{}", NOW),
+            Err(SignatureError::Mismatch)
+        );
+        assert!(matches!(
+            v.verify(&headers(&[("x-signature", "xyz")]), body, NOW),
+            Err(SignatureError::Malformed { .. })
+        ));
+        assert!(matches!(
+            v.verify(&headers(&[]), body, NOW),
+            Err(SignatureError::Missing(_))
+        ));
     }
 
     #[test]
     fn independent_vectors_verify() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/vectors/signatures.json");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/vectors/signatures.json");
         let text = std::fs::read_to_string(path)
             .unwrap_or_else(|e| panic!("the shared vectors are needed at {path}: {e}"));
         let vectors: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -396,17 +480,26 @@ mod tests {
             let secret = decode_whsec(case["secret"].as_str().unwrap()).unwrap();
             let ts = case["webhook-timestamp"].as_str().unwrap();
             let now: i64 = ts.parse().unwrap();
-            let v = Verifier::StandardWebhooks { secrets: vec![secret.clone()], tolerance_secs: 300 };
+            let v = Verifier::StandardWebhooks {
+                secrets: vec![secret.clone()],
+                tolerance_secs: 300,
+            };
             let h = headers(&[
                 (WEBHOOK_ID, case["webhook-id"].as_str().unwrap()),
                 (WEBHOOK_TIMESTAMP, ts),
-                (WEBHOOK_SIGNATURE, case["webhook-signature"].as_str().unwrap()),
+                (
+                    WEBHOOK_SIGNATURE,
+                    case["webhook-signature"].as_str().unwrap(),
+                ),
             ]);
             let body = case["body"].as_str().unwrap().as_bytes();
             assert_eq!(v.verify(&h, body, now + 299), Ok(()), "{case}");
             assert!(v.verify(&h, body, now + 301).is_err());
             let id = case["webhook-id"].as_str().unwrap();
-            assert_eq!(sign_standard_webhook(&secret, id, now, body), case["webhook-signature"].as_str().unwrap());
+            assert_eq!(
+                sign_standard_webhook(&secret, id, now, body),
+                case["webhook-signature"].as_str().unwrap()
+            );
             checked += 1;
         }
         for case in vectors["payzu"].as_array().unwrap() {
@@ -414,7 +507,11 @@ mod tests {
             let now = case["t"].as_i64().unwrap();
             let body = case["body"].as_str().unwrap().as_bytes();
             let header = case["X-Callback-Signature"].as_str().unwrap();
-            assert_eq!(payzu(&[secret]).verify(&headers(&[(PAYZU_HEADER, header)]), body, now - 5), Ok(()), "{case}");
+            assert_eq!(
+                payzu(&[secret]).verify(&headers(&[(PAYZU_HEADER, header)]), body, now - 5),
+                Ok(()),
+                "{case}"
+            );
             assert_eq!(sign_payzu(secret.as_bytes(), now, body), header);
             checked += 1;
         }

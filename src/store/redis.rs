@@ -142,13 +142,13 @@ impl RedisStore {
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(1));
-        let conn = tokio::time::timeout(
-            timeout,
-            ConnectionManager::new_with_config(client, config),
-        )
-        .await
-        .map_err(|_| StoreError::Unavailable(format!("no answer from {url} within {timeout:?}")))?
-        .map_err(unavailable)?;
+        let conn =
+            tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
+                .await
+                .map_err(|_| {
+                    StoreError::Unavailable(format!("no answer from {url} within {timeout:?}"))
+                })?
+                .map_err(unavailable)?;
         Ok(RedisStore {
             conn,
             scripts: Scripts::new(),
@@ -170,7 +170,9 @@ impl RedisStore {
                 Some(_) => Persistence::Off,
                 None => Persistence::Unknown,
             }),
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
+            Err(e)
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) =>
+            {
                 Ok(Persistence::Unknown)
             }
             Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
@@ -383,9 +385,9 @@ impl Store for RedisStore {
                 response: response.clone(),
             }),
             [c] if c == "conflict" => Ok(AcceptOutcome::Conflict),
-            [t, from] if t == "transition" => Ok(AcceptOutcome::InvalidTransition {
-                from: from.clone(),
-            }),
+            [t, from] if t == "transition" => {
+                Ok(AcceptOutcome::InvalidTransition { from: from.clone() })
+            }
             other => Err(corrupt(format!("accept script answered {other:?}"))),
         }
     }

@@ -65,7 +65,9 @@ impl TestServer {
     }
 
     pub async fn start_with_clock(config: Config, clock: Arc<dyn Clock>) -> TestServer {
-        let app = callbackd::build(config, clock).await.expect("server builds");
+        let app = callbackd::build(config, clock)
+            .await
+            .expect("server builds");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let shutdown = CancellationToken::new();
@@ -73,7 +75,9 @@ impl TestServer {
             let app = app.clone();
             let shutdown = shutdown.clone();
             async move {
-                callbackd::serve(app, listener, shutdown).await.expect("server runs");
+                callbackd::serve(app, listener, shutdown)
+                    .await
+                    .expect("server runs");
             }
         });
         TestServer {
@@ -102,7 +106,11 @@ impl TestServer {
         body: &str,
         event: Option<&str>,
     ) -> reqwest::Response {
-        let signature = sign_payzu(PAYZU_SECRET.as_bytes(), self.app.clock.now_secs(), body.as_bytes());
+        let signature = sign_payzu(
+            PAYZU_SECRET.as_bytes(),
+            self.app.clock.now_secs(),
+            body.as_bytes(),
+        );
         let mut req = self
             .client
             .post(format!("{}/v1/callbacks/{source}", self.url))

@@ -130,5 +130,8 @@ fn wait_for_port(port: u16, up: bool) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("redis on port {port} did not become {}", if up { "ready" } else { "stopped" });
+    panic!(
+        "redis on port {port} did not become {}",
+        if up { "ready" } else { "stopped" }
+    );
 }

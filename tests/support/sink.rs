@@ -18,7 +18,10 @@ pub struct Received {
 
 impl Received {
     pub fn header(&self, name: &str) -> Option<String> {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string)
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
     }
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_str(&self.body).expect("sink got JSON")
@@ -34,7 +37,11 @@ pub struct Reply {
 
 impl Reply {
     pub fn status(status: u16) -> Reply {
-        Reply { status, retry_after: None, delay: Duration::ZERO }
+        Reply {
+            status,
+            retry_after: None,
+            delay: Duration::ZERO,
+        }
     }
 }
 
@@ -58,14 +65,18 @@ impl Sink {
     }
 
     /// `responder(request, index)` decides each answer; index counts every request from 0.
-    pub async fn start(responder: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static) -> Sink {
+    pub async fn start(
+        responder: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static,
+    ) -> Sink {
         let inner = Arc::new(Inner {
             received: Mutex::new(Vec::new()),
             responder: Box::new(responder),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let app = axum::Router::new().fallback(handle).with_state(inner.clone());
+        let app = axum::Router::new()
+            .fallback(handle)
+            .with_state(inner.clone());
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -81,7 +92,12 @@ impl Sink {
     }
 }
 
-async fn handle(State(inner): State<Arc<Inner>>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+async fn handle(
+    State(inner): State<Arc<Inner>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let received = Received {
         uri: uri.to_string(),
         headers,
@@ -98,7 +114,9 @@ async fn handle(State(inner): State<Arc<Inner>>, uri: Uri, headers: HeaderMap, b
     }
     let mut response = StatusCode::from_u16(reply.status).unwrap().into_response();
     if let Some(ra) = reply.retry_after {
-        response.headers_mut().insert("retry-after", ra.parse().unwrap());
+        response
+            .headers_mut()
+            .insert("retry-after", ra.parse().unwrap());
     }
     response
 }
