@@ -55,8 +55,10 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long a SIGTERM waits for in-flight deliveries before releasing their leases.
     pub shutdown_grace_secs: u64,
-    /// Whole-request read deadline: a client that trickles its headers or body is cut off.
+    /// Whole-request deadline once headers are in: a client that trickles its body gets 408.
     pub request_timeout_secs: u64,
+    /// A client must send its request headers within this time (slowloris protection).
+    pub header_timeout_secs: u64,
     /// Open connections beyond this wait in the kernel backlog instead of costing memory.
     pub max_connections: usize,
 }
@@ -68,6 +70,7 @@ impl Default for ServerConfig {
             max_body_bytes: 1_048_576,
             shutdown_grace_secs: 30,
             request_timeout_secs: 30,
+            header_timeout_secs: 10,
             max_connections: 4096,
         }
     }
@@ -252,6 +255,22 @@ impl Config {
         self.store_location()?;
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
+        }
+        for (key, value) in [
+            (
+                "server.request_timeout_secs",
+                self.server.request_timeout_secs,
+            ),
+            (
+                "server.header_timeout_secs",
+                self.server.header_timeout_secs,
+            ),
+            ("server.max_connections", self.server.max_connections as u64),
+            ("store.timeout_ms", self.store.timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
         }
         if self.store.dedupe_ttl_secs == 0 {
             return Err(invalid("store.dedupe_ttl_secs", "must be greater than 0"));

@@ -101,16 +101,16 @@ pub async fn serve(
     } else {
         None
     };
-    let router = http::router(app.clone());
-    let token = shutdown.clone();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-        token.cancelled().await;
-    });
-    let served = server.await;
+    let limits = http::server::Limits {
+        header_timeout: Duration::from_secs(app.config.server.header_timeout_secs),
+        max_connections: app.config.server.max_connections,
+        grace,
+    };
+    http::server::serve(listener, http::router(app.clone()), shutdown, limits).await;
     if let Some(task) = dispatcher {
         let _ = task.await;
     }
-    served.map_err(StartError::Io)
+    Ok(())
 }
 
 /// `build` + `serve` with the system clock: what `callbackd serve` runs.

@@ -190,7 +190,14 @@ async fn bad_requests_get_json_errors_and_change_nothing() {
         ))
     };
     /// source, body, signature header, event header, expected status, expected error code
-    type Case<'a> = (&'a str, String, Option<String>, Option<&'a str>, u16, &'a str);
+    type Case<'a> = (
+        &'a str,
+        String,
+        Option<String>,
+        Option<&'a str>,
+        u16,
+        &'a str,
+    );
     let cases: Vec<Case> = vec![
         (
             "nope",
@@ -326,4 +333,81 @@ async fn rotated_secret_verifies() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn slow_clients_are_cut_off_and_block_no_one() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let redis = RedisServer::start();
+    let mut cfg = config(&redis.url(), None);
+    cfg.server.header_timeout_secs = 1;
+    cfg.server.request_timeout_secs = 1;
+    cfg.server.max_connections = 8;
+    let server = TestServer::start(cfg).await;
+    let addr = server.url.trim_start_matches("http://").to_string();
+
+    // Slowloris: headers trickle in and never finish.
+    let mut headers_slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    headers_slow
+        .write_all(b"POST /v1/callbacks/payzu HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    // A body that never completes.
+    let mut body_slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    body_slow
+        .write_all(
+            b"POST /v1/callbacks/open HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"id\":",
+        )
+        .await
+        .unwrap();
+
+    // Meanwhile everyone else is served.
+    let r = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(r.status(), 200);
+
+    let mut buf = Vec::new();
+    let read =
+        tokio::time::timeout(Duration::from_secs(5), headers_slow.read_to_end(&mut buf)).await;
+    assert!(
+        read.is_ok(),
+        "the header-slow connection was closed by the server"
+    );
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), body_slow.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the body-slow request was ended");
+    assert!(
+        String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&buf)
+    );
+}
+
+#[tokio::test]
+async fn connections_beyond_the_limit_wait_instead_of_failing() {
+    let redis = RedisServer::start();
+    let mut cfg = config(&redis.url(), None);
+    cfg.server.max_connections = 2;
+    let server = TestServer::start(cfg).await;
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let idle: Vec<_> =
+        futures::future::join_all((0..2).map(|_| tokio::net::TcpStream::connect(addr.clone())))
+            .await;
+    // Both slots are held by idle connections: a new request waits.
+    let fresh = reqwest::Client::new();
+    let waiting = tokio::time::timeout(
+        Duration::from_millis(500),
+        fresh.get(format!("{}/healthz", server.url)).send(),
+    )
+    .await;
+    assert!(
+        waiting.is_err(),
+        "a third connection is not served while two are held"
+    );
+    drop(idle);
+    let served = tokio::time::timeout(
+        Duration::from_secs(15),
+        fresh.get(format!("{}/healthz", server.url)).send(),
+    )
+    .await;
+    assert_eq!(served.unwrap().unwrap().status(), 200);
 }

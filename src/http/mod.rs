@@ -7,6 +7,7 @@ pub mod callbacks;
 pub mod health;
 pub mod notifications;
 pub mod openapi;
+pub mod server;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
