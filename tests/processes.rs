@@ -3,93 +3,15 @@
 mod support;
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::redis::{RedisServer, free_port};
+use support::process::Process;
+use support::redis::RedisServer;
 use support::sink::{Reply, Sink};
 use support::{CONNECTOR_TOKEN, eventually};
-
-struct Process {
-    child: Child,
-    url: String,
-    _config: tempfile::NamedTempFile,
-}
-
-impl Process {
-    fn start(redis: &RedisServer, extra_env: &[(&str, &str)]) -> Process {
-        let config = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(
-            config.path(),
-            format!(
-                r#"
-[store]
-url = "{}"
-[auth]
-connector_tokens = ["{CONNECTOR_TOKEN}"]
-admin_tokens = ["{}"]
-[dispatch]
-allow_private_networks = true
-initial_backoff_ms = 100
-max_backoff_secs = 1
-request_timeout_ms = 1000
-lease_secs = 6
-[server]
-shutdown_grace_secs = 10
-"#,
-                redis.url(),
-                support::ADMIN_TOKEN
-            ),
-        )
-        .unwrap();
-        let port = free_port();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_callbackd"));
-        cmd.arg("serve")
-            .arg("--config")
-            .arg(config.path())
-            .env("CALLBACKD__SERVER__LISTEN", format!("127.0.0.1:{port}"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        for (k, v) in extra_env {
-            cmd.env(k, v);
-        }
-        let child = cmd.spawn().expect("spawn callbackd");
-        let url = format!("http://127.0.0.1:{port}");
-        let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "callbackd did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Process {
-            child,
-            url,
-            _config: config,
-        }
-    }
-
-    fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 async fn hand_off(client: &reqwest::Client, base: &str, payment: &str, target: &str) -> Value {
     let r = client
@@ -123,7 +45,7 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
         }
     })
     .await;
-    let mut doomed = Process::start(&redis, &[]);
+    let mut doomed = Process::start(&redis.url(), "");
     let client = reqwest::Client::new();
     let answer = hand_off(&client, &doomed.url, "p-crash", &format!("{}/cb", sink.url)).await;
     eventually(10, "first attempt in flight", || async {
@@ -133,7 +55,7 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
     doomed.child.kill().unwrap();
     doomed.child.wait().unwrap();
 
-    let survivor = Process::start(&redis, &[]);
+    let survivor = Process::start(&redis.url(), "");
     eventually(20, "redelivery by the survivor after the lease", || async {
         (sink.count() == 2).then_some(())
     })
@@ -178,7 +100,7 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
         }
     })
     .await;
-    let processes: Vec<Process> = (0..3).map(|_| Process::start(&redis, &[])).collect();
+    let processes: Vec<Process> = (0..3).map(|_| Process::start(&redis.url(), "")).collect();
     let urls: Vec<String> = processes.iter().map(|p| p.url.clone()).collect();
     let client = reqwest::Client::new();
     let total = 9_000;
@@ -217,7 +139,7 @@ async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
         delay: Duration::from_millis(800),
     })
     .await;
-    let mut process = Process::start(&redis, &[]);
+    let mut process = Process::start(&redis.url(), "");
     let client = reqwest::Client::new();
     let answer = hand_off(&client, &process.url, "p-term", &format!("{}/cb", sink.url)).await;
     eventually(10, "delivery in flight", || async {
@@ -236,7 +158,7 @@ async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
 
     // The delivery completed and was recorded before exit: a new process finds it delivered
     // and does not send it again.
-    let checker = Process::start(&redis, &[]);
+    let checker = Process::start(&redis.url(), "");
     let id = answer["notificationId"].as_str().unwrap();
     let view: Value = client
         .get(format!("{}/v1/messages/{id}", checker.url))
