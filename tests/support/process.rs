@@ -83,4 +83,3 @@ impl Drop for Process {
         let _ = self.child.wait();
     }
 }
-
