@@ -23,6 +23,10 @@ pub enum ApiError {
     BadRequest { code: &'static str, message: String },
     #[error("body exceeds {0} bytes")]
     TooLarge(usize),
+    #[error("the request body did not arrive within {0} s")]
+    RequestTimeout(u64),
+    #[error("{0}")]
+    MethodNotAllowed(String),
     #[error("{0}")]
     NotFound(String),
     #[error("payment cannot move from `{from}` to `{to}`")]
@@ -51,6 +55,8 @@ impl ApiError {
             ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::BadRequest { code, .. } => (StatusCode::BAD_REQUEST, code),
             ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            ApiError::RequestTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
+            ApiError::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::InvalidTransition { .. } => (StatusCode::CONFLICT, "invalid_transition"),
             ApiError::IdempotencyMismatch => {

@@ -15,7 +15,7 @@ use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::{Role, require};
-use super::{raw_json, read_body};
+use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::clock::{format_iso, parse_iso};
 use crate::error::{ApiError, ErrorBody};
@@ -121,9 +121,10 @@ impl MessageView {
 pub async fn get_message(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    path: Result<Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Result<Json<MessageView>, ApiError> {
     require(&app, &headers, Role::Admin)?;
+    let id = path_segment(path)?;
     let not_found = || ApiError::NotFound(format!("no message `{id}`"));
     let parsed = MessageId::parse(&id).ok_or_else(not_found)?;
     let record = app.store.get(&parsed).await?.ok_or_else(not_found)?;
@@ -338,7 +339,7 @@ pub async fn resend(
     body: Body,
 ) -> Result<Response, ApiError> {
     require(&app, &headers, Role::Admin)?;
-    let bytes = read_body(body, &headers, app.config.server.max_body_bytes).await?;
+    let bytes = read_body(&app, body, &headers).await?;
     let req: ResendRequest = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request("invalid_request", format!("resend body: {e}")))?;
     let ids = req

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -12,7 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::{raw_json, read_body};
+use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::dispatch::delivery::EVENT_HEADER;
 use crate::error::{ApiError, ErrorBody};
@@ -53,11 +54,12 @@ pub struct CallbackAccepted {
 )]
 pub async fn receive(
     State(app): State<Arc<App>>,
-    Path(source_name): Path<String>,
+    path: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
+    let source_name = path_segment(path)?;
     let result = accept(&app, &source_name, &headers, body).await;
     let outcome = match &result {
         Ok((_, true)) => "replayed",
@@ -91,7 +93,7 @@ async fn accept(
         .sources
         .get(source_name)
         .ok_or_else(|| ApiError::UnknownSource(source_name.to_string()))?;
-    let bytes = read_body(body, headers, app.config.server.max_body_bytes).await?;
+    let bytes = read_body(app, body, headers).await?;
     source
         .verifier
         .verify(headers, &bytes, app.clock.now_secs())

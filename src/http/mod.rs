@@ -21,7 +21,6 @@ use axum::routing::{get, post};
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
-use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 
 use crate::app::App;
@@ -45,7 +44,6 @@ pub const ROUTES: [(&str, &str); 10] = [
 ];
 
 pub fn router(app: Arc<App>) -> Router {
-    let request_timeout = Duration::from_secs(app.config.server.request_timeout_secs);
     Router::new()
         .route("/v1/callbacks/{source}", post(callbacks::receive))
         .route("/v1/notifications", post(notifications::hand_off))
@@ -58,6 +56,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/openapi.json", get(openapi::spec))
         .route("/", get(health::index))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .method_not_allowed_fallback(|| async {
+            ApiError::MethodNotAllowed("this route does not take that method".into())
+        })
         // Bodies are read by `read_body`, which enforces `max_body_bytes` with a JSON 413.
         .layer(DefaultBodyLimit::disable())
         .layer(
@@ -72,10 +73,6 @@ pub fn router(app: Arc<App>) -> Router {
         )
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(SequentialRequestId::default()))
-        .layer(TimeoutLayer::with_status_code(
-            axum::http::StatusCode::REQUEST_TIMEOUT,
-            request_timeout,
-        ))
         .with_state(app)
 }
 
@@ -105,9 +102,11 @@ impl MakeRequestId for SequentialRequestId {
     }
 }
 
-/// Reads a request body up to `limit` bytes: a declared or actual larger body is a 413 with
-/// a JSON error, and nothing is buffered past the limit.
-pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+/// Reads a request body up to `server.max_body_bytes`: a declared or actual larger body is a
+/// 413 with a JSON error, and nothing is buffered past the limit. A body that trickles in
+/// slower than `server.request_timeout_secs` is a 408, so a slow client holds no handler.
+pub async fn read_body(app: &App, body: Body, headers: &HeaderMap) -> Result<Bytes, ApiError> {
+    let limit = app.config.server.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -115,7 +114,14 @@ pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(ApiError::TooLarge(limit));
     }
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
+    let timeout_secs = app.config.server.request_timeout_secs;
+    let read = tokio::time::timeout(
+        Duration::from_secs(timeout_secs),
+        axum::body::to_bytes(body, limit),
+    )
+    .await
+    .map_err(|_| ApiError::RequestTimeout(timeout_secs))?;
+    read.map_err(|e| {
         let inner = e.into_inner();
         if inner
             .downcast_ref::<http_body_util::LengthLimitError>()
@@ -126,6 +132,14 @@ pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<
             ApiError::bad_request("unreadable_body", format!("cannot read the body: {inner}"))
         }
     })
+}
+
+/// Maps axum's path extraction failure (e.g. a segment that is not UTF-8) to our JSON error.
+pub fn path_segment(
+    path: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
+) -> Result<String, ApiError> {
+    path.map(|p| p.0)
+        .map_err(|e| ApiError::NotFound(format!("bad path: {}", e.body_text())))
 }
 
 /// A JSON answer with an exact body (stored responses are replayed byte for byte).

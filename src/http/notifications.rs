@@ -117,7 +117,7 @@ pub async fn hand_off(
 
 async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, bool), ApiError> {
     require(app, headers, Role::Connector)?;
-    let bytes = read_body(body, headers, app.config.server.max_body_bytes).await?;
+    let bytes = read_body(app, body, headers).await?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
         ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}"))
     })?;

@@ -23,6 +23,9 @@ pub const DEFAULT_FIELDS: [&str; 5] = [
 ];
 
 const STATUS: &str = "/status";
+/// Longest accepted transaction id; provider ids are short, and the id is stored with every
+/// message of the transaction.
+pub const MAX_ID_LEN: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
@@ -30,7 +33,7 @@ pub enum KeyError {
     NotAnObject,
     #[error("body has no `id`")]
     MissingId,
-    #[error("`id` must be a non-empty string or a number")]
+    #[error("`id` must be a string of 1 to {MAX_ID_LEN} characters or an integer")]
     BadId,
     #[error("body has no `status` and the request has no X-Callback-Event header")]
     MissingStatus,
@@ -56,8 +59,10 @@ pub fn derive<S: AsRef<str>>(
     let object = body.as_object().ok_or(KeyError::NotAnObject)?;
     let transaction_id = match object.get("id") {
         None | Some(Value::Null) => return Err(KeyError::MissingId),
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(Value::Number(n)) => n.to_string(),
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_ID_LEN => s.clone(),
+        // Floats (and integers beyond 64 bits, which JSON parsers round to floats) are
+        // refused: two different ids could round to one key and an event would be dropped.
+        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
         Some(_) => return Err(KeyError::BadId),
     };
     let mut tuple: Vec<(String, Value)> = vec![

@@ -124,10 +124,7 @@ impl Verifier {
                 tolerance_secs,
             } => {
                 // The id is signed as raw bytes: it may be UTF-8 (see the shared vectors).
-                let id = headers
-                    .get(WEBHOOK_ID)
-                    .ok_or_else(|| SignatureError::Missing(WEBHOOK_ID.to_string()))?
-                    .as_bytes();
+                let id = single_header(headers, WEBHOOK_ID)?.as_bytes();
                 let ts_raw = header_str(headers, WEBHOOK_TIMESTAMP)?;
                 let timestamp: i64 =
                     ts_raw
@@ -156,10 +153,27 @@ impl Verifier {
     }
 }
 
-fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a str, SignatureError> {
-    let value = headers
-        .get(name)
+/// The single value of a signature header. A header sent twice is refused: which copy a
+/// proxy or framework would pick differs, and an attacker could rely on that difference.
+fn single_header<'a>(
+    headers: &'a HeaderMap,
+    name: &str,
+) -> Result<&'a axum::http::HeaderValue, SignatureError> {
+    let mut values = headers.get_all(name).iter();
+    let value = values
+        .next()
         .ok_or_else(|| SignatureError::Missing(name.to_string()))?;
+    if values.next().is_some() {
+        return Err(SignatureError::Malformed {
+            header: name.to_string(),
+            reason: "sent more than once".into(),
+        });
+    }
+    Ok(value)
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a str, SignatureError> {
+    let value = single_header(headers, name)?;
     value.to_str().map_err(|_| SignatureError::Malformed {
         header: name.to_string(),
         reason: "not visible ASCII".into(),
@@ -432,6 +446,18 @@ mod tests {
         ]);
         assert!(matches!(
             v.verify(&bad_ts, body, NOW),
+            Err(SignatureError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn a_signature_header_sent_twice_is_refused() {
+        let body = b"{}";
+        let good = sign_payzu(b"s1", NOW, body);
+        let mut h = headers(&[(PAYZU_HEADER, &good)]);
+        h.append(PAYZU_HEADER, HeaderValue::from_static("t=1, v1=00"));
+        assert!(matches!(
+            payzu(&["s1"]).verify(&h, body, NOW),
             Err(SignatureError::Malformed { .. })
         ));
     }

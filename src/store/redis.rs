@@ -15,6 +15,7 @@
 //! | `pay:<hash>` | string | payment status for the compare-and-set |
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -63,6 +64,9 @@ pub struct RedisStore {
     scripts: Scripts,
     /// How long finished messages, their history and dedupe claims are kept.
     retention_secs: u64,
+    /// Partition that gets the first share of the next claim, rotated so a small `limit`
+    /// does not always favour the low partitions.
+    next_claim_start: AtomicUsize,
 }
 
 fn unavailable(e: redis::RedisError) -> StoreError {
@@ -153,6 +157,7 @@ impl RedisStore {
             conn,
             scripts: Scripts::new(),
             retention_secs,
+            next_claim_start: AtomicUsize::new(0),
         })
     }
 
@@ -283,16 +288,34 @@ impl RedisStore {
         Ok(ids)
     }
 
-    /// Runs one script per partition in a single pipelined round trip. Scripts are not in
-    /// the server's cache after a Redis restart, so a NOSCRIPT reply loads them and retries.
-    async fn claim_all_partitions(
+    /// How many messages each partition could hand out at `now`: due heads plus expired
+    /// leases (which claim.lua makes due again first). One pipelined round trip.
+    async fn claimable_per_partition(&self, now: Millis) -> Result<Vec<usize>, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..PARTITIONS {
+            let keys = Keys::of_partition(p);
+            pipe.zcount(keys.due(), "-inf", now)
+                .zcount(keys.lease(), "-inf", now);
+        }
+        let mut conn = self.conn.clone();
+        let counts: Vec<usize> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
+        Ok(counts.chunks(2).map(|c| c.iter().sum()).collect())
+    }
+
+    /// Runs the claim script on every partition with a non-zero quota, in a single
+    /// pipelined round trip. Scripts are not in the server's cache after a Redis restart, so
+    /// a NOSCRIPT reply loads them and retries.
+    async fn claim_partitions(
         &self,
         now: Millis,
-        per_partition: usize,
+        quotas: &[usize],
         lease_ms: u64,
     ) -> Result<Vec<Value>, StoreError> {
         let mut pipe = redis::pipe();
-        for p in 0..PARTITIONS {
+        for (p, quota) in (0..PARTITIONS).zip(quotas) {
+            if *quota == 0 {
+                continue;
+            }
             let keys = Keys::of_partition(p);
             pipe.cmd("EVALSHA")
                 .arg(self.scripts.claim.get_hash())
@@ -302,7 +325,7 @@ impl RedisStore {
                 .arg(keys.index(Some(MessageState::Pending)))
                 .arg(keys.index(Some(MessageState::InFlight)))
                 .arg(now)
-                .arg(per_partition)
+                .arg(*quota)
                 .arg(lease_ms)
                 .arg(keys.prefix());
         }
@@ -317,6 +340,31 @@ impl RedisStore {
                 pipe.query_async(&mut conn).await.map_err(unavailable)
             }
             other => other.map_err(unavailable),
+        }
+    }
+}
+
+/// Shares `limit` among partitions one message at a time, round-robin from `start`, never
+/// giving a partition more than it has available. The quotas sum to at most `limit`.
+fn spread(limit: usize, available: &[usize], start: usize) -> Vec<usize> {
+    let n = available.len();
+    let mut quotas = vec![0; n];
+    let mut left = limit;
+    loop {
+        let mut gave = false;
+        for i in 0..n {
+            if left == 0 {
+                return quotas;
+            }
+            let p = (start + i) % n;
+            if quotas[p] < available[p] {
+                quotas[p] += 1;
+                left -= 1;
+                gave = true;
+            }
+        }
+        if !gave {
+            return quotas;
         }
     }
 }
@@ -401,10 +449,16 @@ impl Store for RedisStore {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let per_partition = limit.div_ceil(PARTITIONS as usize).max(1);
-        let pages = self
-            .claim_all_partitions(now, per_partition, lease_ms)
-            .await?;
+        // Asking every partition for `limit / PARTITIONS` (rounded up) would lease up to
+        // PARTITIONS messages when asked for one, and a caller sizes `limit` to its free
+        // workers. So first count what each partition has, then ask each for its share.
+        let available = self.claimable_per_partition(now).await?;
+        let start = self.next_claim_start.fetch_add(1, Ordering::Relaxed);
+        let quotas = spread(limit, &available, start);
+        if quotas.iter().all(|q| *q == 0) {
+            return Ok(Vec::new());
+        }
+        let pages = self.claim_partitions(now, &quotas, lease_ms).await?;
         let mut claimed = Vec::new();
         for page in pages {
             let rows: Vec<Value> = redis::from_redis_value(page).map_err(corrupt)?;
@@ -497,19 +551,27 @@ impl Store for RedisStore {
             if let Some(last) = ids.last() {
                 after = Some(last.clone());
             }
+            // A match that does not fit on this page: the next page starts right before it,
+            // even when this chunk ended the scan (else it would be silently skipped).
+            let mut overflow = false;
             for record in self.load_records(&ids).await? {
-                if matches_filter(&record, filter) && messages.len() < limit {
-                    after = Some(record.message.id.clone());
-                    messages.push(record);
+                if !matches_filter(&record, filter) {
+                    continue;
                 }
+                if messages.len() >= limit {
+                    overflow = true;
+                    break;
+                }
+                after = Some(record.message.id.clone());
+                messages.push(record);
             }
-            if exhausted {
+            if exhausted && !overflow {
                 return Ok(Page {
                     messages,
                     next_after: None,
                 });
             }
-            if messages.len() >= limit || scanned >= max_scanned {
+            if overflow || messages.len() >= limit || scanned >= max_scanned {
                 return Ok(Page {
                     messages,
                     next_after: after,
@@ -649,5 +711,30 @@ impl RedisStore {
                 .map_err(corrupt)
         })
         .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn spread_never_exceeds_the_limit_nor_what_a_partition_has() {
+        let available = [0, 3, 0, 1, 10, 0];
+        for limit in 0..20 {
+            for start in 0..available.len() {
+                let quotas = spread(limit, &available, start);
+                let total: usize = quotas.iter().sum();
+                assert_eq!(total, limit.min(14), "limit {limit} start {start}");
+                assert!(quotas.iter().zip(&available).all(|(q, a)| q <= a));
+            }
+        }
+    }
+
+    #[test]
+    fn spread_shares_round_robin_from_the_start() {
+        assert_eq!(spread(3, &[5, 5, 5, 5], 1), vec![0, 1, 1, 1]);
+        assert_eq!(spread(6, &[5, 5, 5, 5], 3), vec![2, 1, 1, 2]);
+        assert_eq!(spread(4, &[0, 0], 0), vec![0, 0]);
     }
 }

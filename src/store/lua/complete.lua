@@ -9,6 +9,10 @@ if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[2] then
   return 0
 end
 redis.call('ZREM', KEYS[3], id)
+-- An expired lease that claim.lua moved back to `due` but nobody re-leased yet is still
+-- in_flight with this token: its worker may finish it, and then it must leave `due` too,
+-- or a finished message would be claimed (and its successor promoted) again.
+redis.call('ZREM', KEYS[4], id)
 redis.call('ZREM', KEYS[6], id)
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'tries', 1)
