@@ -135,17 +135,20 @@ pub async fn get_message(
 #[serde(rename_all = "camelCase")]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
-    /// pending, in_flight, delivered, dead, recorded
+    #[param(value_type = Option<MessageState>)]
     pub state: Option<String>,
     pub source: Option<String>,
     pub payment_id: Option<String>,
     /// Provider transaction id (with `source` when several sources are configured).
     pub transaction_id: Option<String>,
     /// ISO-8601, inclusive.
+    #[param(format = DateTime)]
     pub created_at_from: Option<String>,
     /// ISO-8601, inclusive.
+    #[param(format = DateTime)]
     pub created_at_to: Option<String>,
     /// 1 to 1000, default 100.
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<usize>,
     /// `nextCursor` of the previous page.
     pub cursor: Option<String>,
@@ -296,12 +299,15 @@ pub struct ResendRequest {
     pub payment_id: Option<String>,
     pub transaction_id: Option<String>,
     /// ISO-8601 window start (PayZu's name).
+    #[schema(format = DateTime)]
     pub created_at_from: Option<String>,
     /// ISO-8601 window end.
+    #[schema(format = DateTime)]
     pub created_at_to: Option<String>,
     /// Narrows a selection.
     pub source: Option<String>,
     /// Narrows a selection.
+    #[schema(value_type = Option<MessageState>)]
     pub state: Option<String>,
     /// Makes the resend idempotent: the same id returns the stored answer and resends nothing.
     pub request_id: Option<String>,

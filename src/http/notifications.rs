@@ -46,10 +46,16 @@ const RESERVED_HEADERS: [&str; 7] = [
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct NotificationRequest {
+    #[schema(min_length = 1, max_length = 256)]
     pub payment_id: String,
     /// Target payment status: approved, denied, settled, cancelled, refunded.
+    #[schema(value_type = PaymentStatus)]
     pub status: String,
     /// Where to deliver, used byte for byte (keep the gateway's `X-VTEX-signature`).
+    #[schema(
+        pattern = "^https?://",
+        example = "https://gateway.example.com/api/pvt/payments/p1/callback?X-VTEX-signature=abc"
+    )]
     pub callback_url: String,
     /// Body to deliver; defaults to `{"paymentId", "status"}`.
     #[serde(default)]
@@ -57,8 +63,9 @@ pub struct NotificationRequest {
     /// Static headers for every attempt (e.g. `X-VTEX-API-AppKey`, `X-VTEX-API-AppToken`).
     #[serde(default)]
     pub headers: Option<BTreeMap<String, String>>,
-    /// Shortens the delivery window for this notification.
+    /// Shortens the delivery window for this notification (at most `dispatch.max_age_secs`).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 604800)]
     pub max_age_secs: Option<u64>,
 }
 

@@ -27,6 +27,7 @@ use super::{admin, callbacks, health, notifications};
         crate::store::MessageState,
         crate::store::MessageKind,
         crate::store::ResendEffect,
+        crate::payment::PaymentStatus,
     )),
     modifiers(&BearerAuth),
 )]
