@@ -23,6 +23,7 @@ use clock::Clock;
 use config::{Config, StoreLocation};
 use dispatch::Dispatcher;
 use store::redis::{Persistence, RedisStore};
+use store::sqlite::SqliteStore;
 use store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -47,9 +48,7 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
         .map_err(|e| StartError::Setup(e.to_string()))?;
     let retention = config.store.dedupe_ttl_secs;
     match location {
-        StoreLocation::Sqlite(path) => {
-            Err(StartError::Setup(format!("{} {retention}", path.display())))
-        }
+        StoreLocation::Sqlite(path) => Ok(Arc::new(SqliteStore::open(&path, retention)?)),
         StoreLocation::Redis(url) => {
             let timeout = Duration::from_millis(config.store.timeout_ms);
             let store = RedisStore::connect(&url, timeout, retention).await?;

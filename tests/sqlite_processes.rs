@@ -1,0 +1,177 @@
+//! The embedded SQLite store end to end: real processes, kill -9 during a burst of accepts,
+//! and the README's promise that no Redis is needed.
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use support::eventually;
+use support::process::Process;
+use support::sink::{Reply, Sink};
+
+fn source_table(sink: &Sink) -> String {
+    format!(
+        "[sources.open]\nsignature = \"none\"\nforward_url = \"{}/events\"\n",
+        sink.url
+    )
+}
+
+async fn post(client: &reqwest::Client, base: &str, tx: usize) -> Option<reqwest::Response> {
+    client
+        .post(format!("{base}/v1/callbacks/open"))
+        .body(format!(r#"{{"id":"tx-{tx}","status":"COMPLETED"}}"#))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()
+}
+
+#[tokio::test]
+async fn kill_9_during_a_burst_loses_no_acknowledged_callback() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("cb.db").display());
+    let up = Arc::new(AtomicBool::new(false));
+    let sink = Sink::start({
+        let up = up.clone();
+        move |_, _| Reply::status(if up.load(Ordering::SeqCst) { 204 } else { 503 })
+    })
+    .await;
+    let mut process = Process::start(&store, &source_table(&sink));
+    let client = reqwest::Client::new();
+
+    // Eight senders post unique callbacks until the process dies under them.
+    let base = process.url.clone();
+    let senders: Vec<_> = (0..8)
+        .map(|sender| {
+            let (client, base) = (client.clone(), base.clone());
+            tokio::spawn(async move {
+                let mut acknowledged = Vec::new();
+                for i in 0.. {
+                    let tx = sender * 1_000_000 + i;
+                    match post(&client, &base, tx).await {
+                        Some(r) if r.status() == 200 => acknowledged.push(tx),
+                        Some(_) => {}
+                        None => break,
+                    }
+                }
+                acknowledged
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    process.child.kill().unwrap();
+    process.child.wait().unwrap();
+    let mut acknowledged = Vec::new();
+    for s in senders {
+        acknowledged.extend(s.await.unwrap());
+    }
+    assert!(
+        acknowledged.len() > 50,
+        "the burst got going: {}",
+        acknowledged.len()
+    );
+    println!("acknowledged before kill -9: {}", acknowledged.len());
+
+    let restarted = Process::start(&store, &source_table(&sink));
+    for tx in &acknowledged {
+        let r = post(&client, &restarted.url, *tx)
+            .await
+            .expect("restarted server answers");
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()
+                .get("idempotent-replayed")
+                .map(|v| v.to_str().unwrap()),
+            Some("true"),
+            "tx-{tx} was acknowledged before the crash, so it must be a replay now"
+        );
+    }
+    up.store(true, Ordering::SeqCst);
+    let expected: HashSet<String> = acknowledged.iter().map(|tx| format!("tx-{tx}")).collect();
+    eventually(60, "every acknowledged callback delivered", || async {
+        let delivered: HashSet<String> = sink
+            .received()
+            .iter()
+            .map(|r| r.json()["id"].as_str().unwrap_or_default().to_string())
+            .collect();
+        expected.is_subset(&delivered).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_second_process_on_the_same_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("cb.db").display());
+    let _first = Process::start(&store, "");
+    let config = dir.path().join("second.toml");
+    std::fs::write(
+        &config,
+        format!("[store]\nurl = \"{store}\"\n[server]\nlisten = \"127.0.0.1:0\"\n"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .args(["serve", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.to_lowercase().contains("another"),
+        "a clear error: {stderr}"
+    );
+}
+
+#[tokio::test]
+async fn the_default_config_runs_without_redis() {
+    // The repository's config.toml (sqlite://data/callbackd.db), run from a scratch directory
+    // so its relative data directory is created there.
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config.toml")).unwrap();
+    std::fs::write(dir.path().join("config.toml"), config).unwrap();
+    let port = support::redis::free_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .arg("serve")
+        .current_dir(dir.path())
+        .env("CALLBACKD__SERVER__LISTEN", format!("127.0.0.1:{port}"))
+        .env_remove("CALLBACKD_CONFIG")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let client = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let ready = eventually(15, "ready", || async {
+        client
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status() == 200)
+    })
+    .await;
+    assert_eq!(ready.status(), 200);
+    assert!(dir.path().join("data/callbackd.db").exists());
+    let body = r#"{"id":"tx-readme","status":"COMPLETED"}"#;
+    let sig = callbackd::inbound::signature::sign_payzu(
+        b"change-me-payzu-secret",
+        callbackd::clock::Clock::now_secs(&callbackd::clock::SystemClock),
+        body.as_bytes(),
+    );
+    for replayed in [false, true] {
+        let r = client
+            .post(format!("{base}/v1/callbacks/payzu"))
+            .header("x-callback-signature", &sig)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers().get("idempotent-replayed").is_some(), replayed);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
