@@ -23,7 +23,7 @@ use clock::Clock;
 use config::{Config, StoreLocation};
 use dispatch::Dispatcher;
 use store::redis::{Persistence, RedisStore};
-use store::sqlite::SqliteStore;
+use store::sqlite::{SqliteOptions, SqliteStore};
 use store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -47,10 +47,16 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
         .store_location()
         .map_err(|e| StartError::Setup(e.to_string()))?;
     let retention = config.store.dedupe_ttl_secs;
+    let timeout = Duration::from_millis(config.store.timeout_ms);
     match location {
-        StoreLocation::Sqlite(path) => Ok(Arc::new(SqliteStore::open(&path, retention)?)),
+        StoreLocation::Sqlite(path) => {
+            let options = SqliteOptions {
+                timeout,
+                ..SqliteOptions::default()
+            };
+            Ok(Arc::new(SqliteStore::open_with(&path, retention, options)?))
+        }
         StoreLocation::Redis(url) => {
-            let timeout = Duration::from_millis(config.store.timeout_ms);
             let store = RedisStore::connect(&url, timeout, retention).await?;
             match store.persistence().await? {
                 Persistence::AppendOnly => {}

@@ -121,6 +121,9 @@ pub struct NewMessage {
 /// replay of this key gets back, byte for byte.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Claim {
+    /// Lives in the partition of the message's ordering key (on Redis, its hash slot), so a
+    /// key must always come with the same ordering key: true for callbacks (the id is in
+    /// both) and for notifications (keys are scoped to the payment).
     pub key: String,
     pub ttl_secs: u64,
     /// Hash of the request; a replay with a different one is a conflict (422). Empty for

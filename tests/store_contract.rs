@@ -1,0 +1,1530 @@
+//! The Store contract (DESIGN.md §3): the same tests against every backend.
+//!
+//! `contract!` turns each `async fn(&Harness)` below into one test per backend, in the modules
+//! `redis` (a private `redis-server` per test) and `sqlite` (a temp file per test). Time is
+//! virtual: every call gets its `now`, starting at `T0`. Tests only one backend can run are in
+//! `redis_only` and `sqlite_only`.
+
+#[path = "support/redis.rs"]
+#[allow(dead_code)]
+mod redis_support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use callbackd::payment;
+use callbackd::store::ids::partition_of;
+use callbackd::store::redis::RedisStore;
+use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
+use callbackd::store::{
+    AcceptOutcome, AcceptRequest, Attempt, Claim, Claimed, Completion, ListFilter, MessageId,
+    MessageKind, MessageRecord, MessageState, Millis, NewMessage, OperationReservation,
+    PaymentTransition, QueueDepth, ResendEffect, Store, StoreError,
+};
+use redis_support::RedisServer;
+
+/// 2025-11-30T00:00:00Z: ids encode creation time, so times must be realistic.
+const T0: Millis = 1_764_460_800_000;
+const TTL_SECS: u64 = 2_592_000;
+const RETENTION_SECS: u64 = 2_592_000;
+const LEASE_MS: u64 = 30_000;
+const DAY_MS: Millis = 86_400_000;
+
+enum Backend {
+    Redis(RedisServer),
+    /// Kept only so the directory outlives the store.
+    Sqlite {
+        _dir: tempfile::TempDir,
+    },
+}
+
+/// A store and what keeps it alive. `store` is declared first so it is dropped before the
+/// server or directory behind it.
+struct Harness {
+    store: Box<dyn Store>,
+    backend: Backend,
+}
+
+impl Harness {
+    async fn redis() -> Harness {
+        let server = RedisServer::start();
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .expect("connect to the private redis-server");
+        Harness {
+            store: Box::new(store),
+            backend: Backend::Redis(server),
+        }
+    }
+
+    async fn sqlite() -> Harness {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = SqliteStore::open(&dir.path().join("cb.db"), RETENTION_SECS)
+            .expect("open a fresh SQLite store");
+        Harness {
+            store: Box::new(store),
+            backend: Backend::Sqlite { _dir: dir },
+        }
+    }
+
+    fn s(&self) -> &dyn Store {
+        &*self.store
+    }
+}
+
+macro_rules! contract {
+    ($($name:ident),* $(,)?) => {
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(&super::Harness::redis().await).await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(&super::Harness::sqlite().await).await;
+                }
+            )*
+        }
+    };
+}
+
+contract!(
+    accept_then_replay_returns_the_stored_response,
+    a_different_fingerprint_is_a_conflict,
+    payment_status_is_compare_and_set,
+    racing_transitions_of_one_payment_have_one_winner,
+    concurrent_duplicates_are_accepted_once,
+    claim_due_leases_only_due_messages,
+    an_expired_lease_is_claimed_again_with_a_new_token,
+    claim_due_never_returns_more_than_the_limit,
+    a_retry_is_not_due_before_its_time,
+    one_ordering_key_is_delivered_in_order,
+    release_gives_the_lease_back,
+    completion_after_lease_expiry_but_before_a_new_lease_is_final,
+    resend_requeues_dead_and_delivered_messages,
+    resend_expedites_a_pending_message_and_the_schedule_resumes,
+    resend_of_a_message_behind_another_is_queued,
+    resend_in_flight_delivers_once_more_after_the_current_attempt,
+    resend_skips_unknown_and_recorded_messages,
+    recorded_messages_are_never_claimed,
+    list_pages_have_no_gaps_or_duplicates,
+    list_pages_stay_consistent_while_messages_arrive,
+    list_filters_by_state_source_key_and_window,
+    list_with_a_sparse_filter_loses_nothing,
+    history_rows_are_kept_in_order,
+    depth_counts_pending_in_flight_and_dead,
+    operations_are_reserved_then_finished,
+    get_of_an_unknown_id_is_none,
+);
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+
+fn new_message(ordering_key: &str, now: Millis) -> NewMessage {
+    NewMessage {
+        id: MessageId::generate(now, ordering_key),
+        kind: MessageKind::Notification,
+        source: None,
+        payment_id: None,
+        transaction_id: None,
+        ordering_key: ordering_key.to_string(),
+        event: None,
+        target_url: Some("http://127.0.0.1:9/hook?X-VTEX-signature=a%2Fb".into()),
+        headers: BTreeMap::from([("X-VTEX-API-AppKey".to_string(), "key".to_string())]),
+        body: format!(r#"{{"orderingKey":"{ordering_key}","at":{now}}}"#),
+        created_at: now,
+        deadline: now + 7 * DAY_MS,
+    }
+}
+
+/// An inbound callback of `source`, ordered by its transaction like the HTTP layer does.
+fn inbound(source: &str, transaction_id: &str, now: Millis) -> NewMessage {
+    let ordering_key = format!("src/{source}/{transaction_id}");
+    NewMessage {
+        kind: MessageKind::Inbound,
+        source: Some(source.to_string()),
+        transaction_id: Some(transaction_id.to_string()),
+        event: Some("TRANSACTION_PAID".into()),
+        ..new_message(&ordering_key, now)
+    }
+}
+
+fn request(claim_key: &str, message: NewMessage) -> AcceptRequest {
+    AcceptRequest {
+        claim: Claim {
+            key: claim_key.to_string(),
+            ttl_secs: TTL_SECS,
+            fingerprint: "fp-1".into(),
+            response: format!(r#"{{"messageId":"{}"}}"#, message.id),
+        },
+        message,
+        payment: None,
+    }
+}
+
+/// A notification moving `payment_id` to `to`, ordered by payment like the HTTP layer does.
+fn notification(payment_id: &str, to: &str, allowed_from: &[&str], now: Millis) -> AcceptRequest {
+    let message = NewMessage {
+        payment_id: Some(payment_id.to_string()),
+        ..new_message(&payment::ordering_key(payment_id), now)
+    };
+    AcceptRequest {
+        payment: Some(PaymentTransition {
+            payment_id: payment_id.to_string(),
+            to: to.to_string(),
+            allowed_from: allowed_from.iter().map(|s| s.to_string()).collect(),
+        }),
+        ..request(&format!("notification/{payment_id}/{to}"), message)
+    }
+}
+
+/// Accepts `message` under a claim key of its own and returns its id.
+async fn accept(s: &dyn Store, message: NewMessage, now: Millis) -> MessageId {
+    let id = message.id.clone();
+    let outcome = s
+        .accept(request(&format!("claim/{id}"), message), now)
+        .await
+        .expect("accept");
+    assert_eq!(outcome, AcceptOutcome::Accepted);
+    id
+}
+
+async fn accept_new(s: &dyn Store, ordering_key: &str, now: Millis) -> MessageId {
+    accept(s, new_message(ordering_key, now), now).await
+}
+
+fn delivery(attempt: u32, at: Millis, status: u16) -> Attempt {
+    Attempt {
+        kind: "delivery".into(),
+        attempt,
+        at,
+        status: Some(status),
+        error: None,
+        latency_ms: Some(12),
+        request_id: None,
+    }
+}
+
+fn resend_mark(at: Millis) -> Attempt {
+    Attempt {
+        kind: "resend".into(),
+        attempt: 0,
+        at,
+        status: None,
+        error: None,
+        latency_ms: None,
+        request_id: Some("op-1".into()),
+    }
+}
+
+async fn claim(s: &dyn Store, now: Millis, limit: usize) -> Vec<Claimed> {
+    s.claim_due(now, limit, LEASE_MS).await.expect("claim_due")
+}
+
+/// Claims at `now` and expects exactly the messages `ids` (in any order).
+async fn claim_exactly(s: &dyn Store, now: Millis, ids: &[&MessageId]) -> Vec<Claimed> {
+    let claimed = claim(s, now, 100).await;
+    let got: BTreeSet<_> = claimed.iter().map(|c| c.message.id.clone()).collect();
+    let want: BTreeSet<_> = ids.iter().map(|id| (*id).clone()).collect();
+    assert_eq!(got, want, "claimed at {}", now - T0);
+    claimed
+}
+
+async fn claim_one(s: &dyn Store, now: Millis, id: &MessageId) -> Claimed {
+    claim_exactly(s, now, &[id]).await.remove(0)
+}
+
+async fn complete(s: &dyn Store, c: &Claimed, completion: Completion, now: Millis) -> bool {
+    let attempt = delivery(c.attempts + 1, now, 500);
+    s.complete(c, attempt, completion, now)
+        .await
+        .expect("complete")
+}
+
+async fn get(s: &dyn Store, id: &MessageId) -> MessageRecord {
+    s.get(id).await.expect("get").expect("message exists")
+}
+
+/// Every page of a listing, following `next_after` until the end.
+async fn list_all(s: &dyn Store, filter: ListFilter) -> Vec<MessageRecord> {
+    let mut filter = filter;
+    let mut all = Vec::new();
+    for _ in 0..1000 {
+        let page = s.list(&filter).await.expect("list");
+        assert!(page.messages.len() <= filter.limit.max(1));
+        all.extend(page.messages);
+        match page.next_after {
+            Some(after) => filter.after = Some(after),
+            None => return all,
+        }
+    }
+    panic!("listing never reached its end");
+}
+
+fn ids(records: &[MessageRecord]) -> Vec<MessageId> {
+    records.iter().map(|r| r.message.id.clone()).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Accept, dedupe and payments
+
+async fn accept_then_replay_returns_the_stored_response(h: &Harness) {
+    let s = h.s();
+    let first = request("k1", new_message("pay/1", T0));
+    let stored = first.claim.response.clone();
+    assert_eq!(
+        s.accept(first.clone(), T0).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+
+    // A repeat builds a new id and response; it gets the first answer and creates nothing.
+    let mut repeat = request("k1", new_message("pay/1", T0 + 5));
+    repeat.claim.response = r#"{"messageId":"something else"}"#.into();
+    let repeat_id = repeat.message.id.clone();
+    assert_eq!(
+        s.accept(repeat, T0 + 5).await.unwrap(),
+        AcceptOutcome::Replayed { response: stored }
+    );
+    assert_eq!(s.get(&repeat_id).await.unwrap(), None);
+    let all = list_all(
+        s,
+        ListFilter {
+            limit: 10,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(ids(&all), vec![first.message.id.clone()]);
+
+    let record = get(s, &first.message.id).await;
+    assert_eq!(record.message, first.message);
+    assert_eq!(record.state, MessageState::Pending);
+    assert_eq!(record.deadline, first.message.deadline);
+    assert_eq!(record.next_attempt_at, Some(T0));
+    assert!(record.history.is_empty());
+}
+
+async fn a_different_fingerprint_is_a_conflict(h: &Harness) {
+    let s = h.s();
+    let first = request("k1", new_message("pay/1", T0));
+    assert_eq!(
+        s.accept(first.clone(), T0).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let mut other = request("k1", new_message("pay/1", T0 + 1));
+    other.claim.fingerprint = "fp-2".into();
+    let other_id = other.message.id.clone();
+    assert_eq!(
+        s.accept(other, T0 + 1).await.unwrap(),
+        AcceptOutcome::Conflict
+    );
+    assert_eq!(s.get(&other_id).await.unwrap(), None);
+    // The conflict changed nothing: the original still replays.
+    assert_eq!(
+        s.accept(request("k1", new_message("pay/1", T0 + 2)), T0 + 2)
+            .await
+            .unwrap(),
+        AcceptOutcome::Replayed {
+            response: first.claim.response
+        }
+    );
+}
+
+async fn payment_status_is_compare_and_set(h: &Harness) {
+    let s = h.s();
+    assert_eq!(s.payment_status("p1").await.unwrap(), None, "never seen");
+
+    let approve = notification("p1", "approved", &["undefined"], T0);
+    assert_eq!(
+        s.accept(approve, T0).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    assert_eq!(
+        s.payment_status("p1").await.unwrap().as_deref(),
+        Some("approved")
+    );
+
+    // approved → approved is not a transition; a new key, so it is not a replay either.
+    let mut again = notification("p1", "approved", &["undefined"], T0 + 1);
+    again.claim.key = "notification/p1/approved/again".into();
+    let again_id = again.message.id.clone();
+    assert_eq!(
+        s.accept(again, T0 + 1).await.unwrap(),
+        AcceptOutcome::InvalidTransition {
+            from: "approved".into()
+        }
+    );
+    assert_eq!(s.get(&again_id).await.unwrap(), None, "nothing recorded");
+
+    // A refused transition burns no key: the same key with a valid transition goes through.
+    let refund = notification("p1", "refunded", &["settled"], T0 + 2);
+    let refund_key = refund.claim.key.clone();
+    assert_eq!(
+        s.accept(refund, T0 + 2).await.unwrap(),
+        AcceptOutcome::InvalidTransition {
+            from: "approved".into()
+        }
+    );
+    let settle = notification("p1", "settled", &["approved"], T0 + 3);
+    assert_eq!(
+        s.accept(settle, T0 + 3).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let mut refund = notification("p1", "refunded", &["settled"], T0 + 4);
+    refund.claim.key = refund_key;
+    assert_eq!(
+        s.accept(refund, T0 + 4).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    assert_eq!(
+        s.payment_status("p1").await.unwrap().as_deref(),
+        Some("refunded")
+    );
+    assert_eq!(s.payment_status("p2").await.unwrap(), None);
+}
+
+async fn racing_transitions_of_one_payment_have_one_winner(h: &Harness) {
+    let s = h.s();
+    for i in 0..5 {
+        let payment_id = format!("race-{i}");
+        let now = T0 + i;
+        let approve = notification(&payment_id, "approved", &["undefined"], now);
+        let deny = notification(&payment_id, "denied", &["undefined"], now);
+        let (a, d) = tokio::join!(s.accept(approve, now), s.accept(deny, now));
+        let (a, d) = (a.unwrap(), d.unwrap());
+        let winner = match (&a, &d) {
+            (AcceptOutcome::Accepted, AcceptOutcome::InvalidTransition { from }) => {
+                assert_eq!(from, "approved");
+                "approved"
+            }
+            (AcceptOutcome::InvalidTransition { from }, AcceptOutcome::Accepted) => {
+                assert_eq!(from, "denied");
+                "denied"
+            }
+            other => panic!("exactly one transition must win, got {other:?}"),
+        };
+        assert_eq!(
+            s.payment_status(&payment_id).await.unwrap().as_deref(),
+            Some(winner)
+        );
+        let key = payment::ordering_key(&payment_id);
+        let listed = list_all(
+            s,
+            ListFilter {
+                ordering_key: Some(key),
+                limit: 10,
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(listed.len(), 1);
+    }
+}
+
+async fn concurrent_duplicates_are_accepted_once(h: &Harness) {
+    let s = h.s();
+    let mut accepts = Vec::new();
+    for i in 0..40 {
+        // Every fourth request repeats one key; the others are distinct. A claim key always
+        // comes with the same ordering key (the HTTP layer derives both from the same
+        // request): Redis keeps a claim in its ordering key's partition.
+        let (key, ordering_key) = if i % 4 == 0 {
+            ("dup".to_string(), "o-dup".to_string())
+        } else {
+            (format!("k{i}"), format!("o{i}"))
+        };
+        accepts.push(s.accept(request(&key, new_message(&ordering_key, T0 + i)), T0 + i));
+    }
+    let outcomes = futures::future::join_all(accepts).await;
+    let accepted = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(AcceptOutcome::Accepted)))
+        .count();
+    let replayed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(AcceptOutcome::Replayed { .. })))
+        .count();
+    assert_eq!((accepted, replayed), (31, 9), "{outcomes:?}");
+    let all = list_all(
+        s,
+        ListFilter {
+            limit: 100,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(all.len(), 31);
+}
+
+// ---------------------------------------------------------------------------------------
+// Claiming, leases, completion
+
+async fn claim_due_leases_only_due_messages(h: &Harness) {
+    let s = h.s();
+    let m = new_message("pay/1", T0);
+    let deadline = m.deadline;
+    let id = accept(s, m, T0).await;
+    assert!(
+        claim(s, T0 - 1, 10).await.is_empty(),
+        "not due before its time"
+    );
+
+    let c = claim_one(s, T0, &id).await;
+    assert_eq!((c.attempts, c.backoff_step, c.deadline), (0, 0, deadline));
+    assert_eq!(c.message, get(s, &id).await.message);
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::InFlight);
+    assert_eq!(record.next_attempt_at, None);
+
+    assert!(claim(s, T0 + 1_000, 10).await.is_empty(), "leased");
+    assert!(
+        claim(s, T0 + LEASE_MS as i64 - 1, 10).await.is_empty(),
+        "still leased"
+    );
+    assert!(complete(s, &c, Completion::Delivered, T0 + 2_000).await);
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Delivered);
+    assert_eq!(record.next_attempt_at, None);
+    assert_eq!(record.history, vec![delivery(1, T0 + 2_000, 500)]);
+    assert!(
+        claim(s, T0 + 10 * DAY_MS, 10).await.is_empty(),
+        "finished for good"
+    );
+}
+
+async fn an_expired_lease_is_claimed_again_with_a_new_token(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let first = claim_one(s, T0, &id).await;
+    let expiry = T0 + LEASE_MS as i64;
+    let second = claim_one(s, expiry, &id).await;
+    assert!(
+        second.token > first.token,
+        "{} then {}",
+        first.token,
+        second.token
+    );
+    assert_eq!(second.attempts, 0, "a lost lease is not an attempt");
+
+    // The worker that lost its lease cannot record anything.
+    assert!(!complete(s, &first, Completion::Delivered, expiry + 1).await);
+    assert!(!s.release(&first, expiry + 1).await.unwrap());
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::InFlight);
+    assert!(record.history.is_empty());
+
+    assert!(complete(s, &second, Completion::Delivered, expiry + 2).await);
+    assert_eq!(get(s, &id).await.state, MessageState::Delivered);
+}
+
+async fn claim_due_never_returns_more_than_the_limit(h: &Harness) {
+    let s = h.s();
+    let mut all = BTreeSet::new();
+    for i in 0..40 {
+        all.insert(accept_new(s, &format!("key-{i}"), T0 + i).await);
+    }
+    let now = T0 + 100;
+    let mut claimed = BTreeSet::new();
+    for limit in [1, 5, 3] {
+        let got = claim(s, now, limit).await;
+        assert_eq!(got.len(), limit, "asked for {limit}");
+        claimed.extend(got.into_iter().map(|c| c.message.id));
+    }
+    let rest = claim(s, now, 100).await;
+    assert_eq!(rest.len(), 31);
+    claimed.extend(rest.into_iter().map(|c| c.message.id));
+    assert_eq!(claimed, all, "each message claimed exactly once");
+    assert!(claim(s, now, 100).await.is_empty());
+}
+
+async fn a_retry_is_not_due_before_its_time(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    let next_at = T0 + 5_000;
+    assert!(complete(s, &c, Completion::Retry { next_at }, T0 + 10).await);
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Pending);
+    assert_eq!(record.next_attempt_at, Some(next_at));
+    assert_eq!(record.history.len(), 1);
+
+    assert!(claim(s, next_at - 1, 10).await.is_empty());
+    let c = claim_one(s, next_at, &id).await;
+    assert_eq!((c.attempts, c.backoff_step), (1, 1));
+    assert!(
+        complete(
+            s,
+            &c,
+            Completion::Retry {
+                next_at: next_at + 10_000
+            },
+            next_at
+        )
+        .await
+    );
+    let c = claim_one(s, next_at + 10_000, &id).await;
+    assert_eq!((c.attempts, c.backoff_step), (2, 2));
+    assert!(complete(s, &c, Completion::Dead, next_at + 10_001).await);
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Dead);
+    assert_eq!(record.next_attempt_at, None);
+    assert_eq!(record.history.len(), 3);
+}
+
+async fn one_ordering_key_is_delivered_in_order(h: &Harness) {
+    let s = h.s();
+    let m1 = accept_new(s, "pay/1", T0).await;
+    let m2 = accept_new(s, "pay/1", T0 + 1).await;
+    let m3 = accept_new(s, "pay/1", T0 + 2).await;
+    let other = accept_new(s, "pay/2", T0 + 3).await;
+
+    // Only the head of each key is due.
+    let claimed = claim_exactly(s, T0 + 10, &[&m1, &other]).await;
+    let c1 = claimed.iter().find(|c| c.message.id == m1).unwrap().clone();
+    assert_eq!(get(s, &m2).await.next_attempt_at, None);
+    assert_eq!(get(s, &m2).await.state, MessageState::Pending);
+
+    // A retry keeps its place: m2 waits even though m1 is not due.
+    assert!(
+        complete(
+            s,
+            &c1,
+            Completion::Retry {
+                next_at: T0 + 1_000
+            },
+            T0 + 20
+        )
+        .await
+    );
+    assert!(claim(s, T0 + 30, 10).await.is_empty());
+    let c1 = claim_one(s, T0 + 1_000, &m1).await;
+
+    // Delivered: the next message is due at once.
+    assert!(complete(s, &c1, Completion::Delivered, T0 + 1_001).await);
+    assert_eq!(get(s, &m2).await.next_attempt_at, Some(T0 + 1_001));
+    assert_eq!(get(s, &m3).await.next_attempt_at, None);
+    let c2 = claim_one(s, T0 + 1_001, &m2).await;
+
+    // Dead also lets the next one go.
+    assert!(complete(s, &c2, Completion::Dead, T0 + 1_002).await);
+    let c3 = claim_one(s, T0 + 1_002, &m3).await;
+    assert!(complete(s, &c3, Completion::Delivered, T0 + 1_003).await);
+
+    assert_eq!(get(s, &m1).await.state, MessageState::Delivered);
+    assert_eq!(get(s, &m2).await.state, MessageState::Dead);
+    assert_eq!(get(s, &m3).await.state, MessageState::Delivered);
+    assert_eq!(get(s, &other).await.state, MessageState::InFlight);
+}
+
+async fn release_gives_the_lease_back(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    assert!(s.release(&c, T0 + 500).await.unwrap());
+    assert!(!s.release(&c, T0 + 500).await.unwrap(), "no longer leased");
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Pending);
+    assert_eq!(record.next_attempt_at, Some(T0 + 500));
+    assert!(record.history.is_empty(), "a release is not an attempt");
+
+    assert!(claim(s, T0 + 499, 10).await.is_empty());
+    let again = claim_one(s, T0 + 500, &id).await;
+    assert!(again.token > c.token);
+    assert_eq!(again.attempts, 0);
+    assert!(!complete(s, &c, Completion::Delivered, T0 + 501).await);
+    assert!(complete(s, &again, Completion::Delivered, T0 + 502).await);
+}
+
+/// Two ordering keys in one Redis partition, so one claim script sees both.
+fn keys_sharing_a_partition() -> (String, String) {
+    let a = "pay/a".to_string();
+    let b = (0..)
+        .map(|i| format!("pay/b{i}"))
+        .find(|k| partition_of(k) == partition_of(&a))
+        .expect("some key shares the partition");
+    (a, b)
+}
+
+async fn completion_after_lease_expiry_but_before_a_new_lease_is_final(h: &Harness) {
+    let s = h.s();
+    let (key_a, key_b) = keys_sharing_a_partition();
+    let a = accept_new(s, &key_a, T0).await;
+    let stale = claim_one(s, T0, &a).await;
+    let b = accept_new(s, &key_b, T0 + 10).await;
+
+    // A's lease has expired: it is due again, but B (due earlier) takes the only slot.
+    let expiry = T0 + LEASE_MS as i64;
+    let claimed = claim(s, expiry, 1).await;
+    assert_eq!(ids_of(&claimed), vec![b.clone()]);
+
+    // Nobody took A over, so its worker may still finish it, and that is final.
+    assert!(complete(s, &stale, Completion::Delivered, expiry + 1).await);
+    let record = get(s, &a).await;
+    assert_eq!(record.state, MessageState::Delivered);
+    assert_eq!(record.next_attempt_at, None);
+    assert!(
+        claim(s, expiry + 2, 10).await.is_empty(),
+        "a delivered message came back"
+    );
+    assert_eq!(get(s, &a).await.state, MessageState::Delivered);
+}
+
+fn ids_of(claimed: &[Claimed]) -> Vec<MessageId> {
+    claimed.iter().map(|c| c.message.id.clone()).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Resend
+
+async fn resend_requeues_dead_and_delivered_messages(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    assert!(
+        complete(
+            s,
+            &c,
+            Completion::Retry {
+                next_at: T0 + 1_000
+            },
+            T0 + 1
+        )
+        .await
+    );
+    let c = claim_one(s, T0 + 1_000, &id).await;
+    assert!(complete(s, &c, Completion::Dead, T0 + 1_001).await);
+
+    let now = T0 + DAY_MS;
+    let fresh = now + 7 * DAY_MS;
+    assert_eq!(
+        s.resend(&id, resend_mark(now), fresh, now).await.unwrap(),
+        ResendEffect::Requeued
+    );
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Pending);
+    assert_eq!(record.deadline, fresh);
+    assert_eq!(record.next_attempt_at, Some(now));
+    assert_eq!(record.history.last(), Some(&resend_mark(now)));
+
+    // The backoff starts over, the attempt count goes on, the window is the fresh one.
+    let c = claim_one(s, now, &id).await;
+    assert_eq!((c.attempts, c.backoff_step, c.deadline), (2, 0, fresh));
+    assert!(complete(s, &c, Completion::Retry { next_at: now + 10 }, now + 1).await);
+    let c = claim_one(s, now + 10, &id).await;
+    assert_eq!((c.attempts, c.backoff_step), (3, 1));
+    assert!(complete(s, &c, Completion::Delivered, now + 11).await);
+
+    // From delivered too.
+    let later = now + 2 * DAY_MS;
+    assert_eq!(
+        s.resend(&id, resend_mark(later), later + 7 * DAY_MS, later)
+            .await
+            .unwrap(),
+        ResendEffect::Requeued
+    );
+    let c = claim_one(s, later, &id).await;
+    assert_eq!(
+        (c.attempts, c.backoff_step, c.deadline),
+        (4, 0, later + 7 * DAY_MS)
+    );
+}
+
+async fn resend_expedites_a_pending_message_and_the_schedule_resumes(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    let original = T0 + 60_000;
+    assert!(complete(s, &c, Completion::Retry { next_at: original }, T0 + 1).await);
+
+    let now = T0 + 1_000;
+    assert_eq!(
+        s.resend(&id, resend_mark(now), now + 7 * DAY_MS, now)
+            .await
+            .unwrap(),
+        ResendEffect::Expedited
+    );
+    let record = get(s, &id).await;
+    assert_eq!(record.next_attempt_at, Some(now));
+    assert_eq!(record.deadline, c.deadline, "expediting keeps the window");
+
+    // A second resend before the attempt keeps the original time to resume at.
+    assert_eq!(
+        s.resend(&id, resend_mark(now + 1), now + 7 * DAY_MS, now + 1)
+            .await
+            .unwrap(),
+        ResendEffect::Expedited
+    );
+    let c = claim_one(s, now + 1, &id).await;
+    assert_eq!((c.attempts, c.backoff_step), (1, 1));
+    // The expedited attempt fails with a short backoff: the schedule resumes where it was.
+    assert!(
+        complete(
+            s,
+            &c,
+            Completion::Retry {
+                next_at: now + 2_000
+            },
+            now + 2
+        )
+        .await
+    );
+    assert_eq!(get(s, &id).await.next_attempt_at, Some(original));
+    assert!(claim(s, original - 1, 10).await.is_empty());
+
+    // Due already: expedited, and nothing moves.
+    assert_eq!(
+        s.resend(
+            &id,
+            resend_mark(original + 5),
+            original + 7 * DAY_MS,
+            original + 5
+        )
+        .await
+        .unwrap(),
+        ResendEffect::Expedited
+    );
+    assert_eq!(get(s, &id).await.next_attempt_at, Some(original));
+
+    // Without a resend in between, a retry is scheduled as asked.
+    let c = claim_one(s, original + 5, &id).await;
+    let scheduled = original + 9_000;
+    let retry = |next_at| Completion::Retry { next_at };
+    assert!(complete(s, &c, retry(scheduled), original + 6).await);
+    assert_eq!(get(s, &id).await.next_attempt_at, Some(scheduled));
+
+    // An expedited attempt whose retry would come later than the original time does not
+    // push the schedule back either.
+    let resend_at = |at: Millis| s.resend(&id, resend_mark(at), at + 7 * DAY_MS, at);
+    assert_eq!(
+        resend_at(original + 10).await.unwrap(),
+        ResendEffect::Expedited
+    );
+    let c = claim_one(s, original + 10, &id).await;
+    assert!(complete(s, &c, retry(original + 60_000), original + 11).await);
+    assert_eq!(get(s, &id).await.next_attempt_at, Some(scheduled));
+
+    // When the original time has passed by the time the expedited attempt ends, the retry
+    // is scheduled as asked.
+    assert_eq!(
+        resend_at(original + 20).await.unwrap(),
+        ResendEffect::Expedited
+    );
+    let c = claim_one(s, original + 20, &id).await;
+    assert!(complete(s, &c, retry(original + 20_000), scheduled + 1).await);
+    assert_eq!(get(s, &id).await.next_attempt_at, Some(original + 20_000));
+}
+
+async fn resend_of_a_message_behind_another_is_queued(h: &Harness) {
+    let s = h.s();
+    let first = accept_new(s, "pay/1", T0).await;
+    let second = accept_new(s, "pay/1", T0 + 1).await;
+    assert_eq!(
+        s.resend(&second, resend_mark(T0 + 2), T0 + 7 * DAY_MS, T0 + 2)
+            .await
+            .unwrap(),
+        ResendEffect::Queued
+    );
+    let record = get(s, &second).await;
+    assert_eq!(record.next_attempt_at, None);
+    assert_eq!(record.history, vec![resend_mark(T0 + 2)]);
+    claim_exactly(s, T0 + 3, &[&first]).await;
+}
+
+async fn resend_in_flight_delivers_once_more_after_the_current_attempt(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    assert_eq!(
+        s.resend(&id, resend_mark(T0 + 1), T0 + 7 * DAY_MS, T0 + 1)
+            .await
+            .unwrap(),
+        ResendEffect::AfterCurrent
+    );
+    assert_eq!(get(s, &id).await.state, MessageState::InFlight);
+    assert!(complete(s, &c, Completion::Delivered, T0 + 100).await);
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Pending);
+    assert_eq!(record.next_attempt_at, Some(T0 + 100));
+
+    let c = claim_one(s, T0 + 100, &id).await;
+    assert_eq!(c.attempts, 1);
+    assert!(complete(s, &c, Completion::Delivered, T0 + 200).await);
+    assert_eq!(
+        get(s, &id).await.state,
+        MessageState::Delivered,
+        "once more, not forever"
+    );
+}
+
+async fn resend_skips_unknown_and_recorded_messages(h: &Harness) {
+    let s = h.s();
+    let unknown = MessageId::generate(T0, "pay/none");
+    assert_eq!(
+        s.resend(&unknown, resend_mark(T0), T0 + DAY_MS, T0)
+            .await
+            .unwrap(),
+        ResendEffect::Skipped
+    );
+    assert_eq!(s.get(&unknown).await.unwrap(), None);
+
+    let recorded = accept(
+        s,
+        NewMessage {
+            target_url: None,
+            ..inbound("payzu", "tx1", T0)
+        },
+        T0,
+    )
+    .await;
+    assert_eq!(
+        s.resend(&recorded, resend_mark(T0 + 1), T0 + DAY_MS, T0 + 1)
+            .await
+            .unwrap(),
+        ResendEffect::Skipped
+    );
+    let record = get(s, &recorded).await;
+    assert_eq!(record.state, MessageState::Recorded);
+    assert!(record.history.is_empty());
+}
+
+async fn recorded_messages_are_never_claimed(h: &Harness) {
+    let s = h.s();
+    let id = accept(
+        s,
+        NewMessage {
+            target_url: None,
+            ..inbound("payzu", "tx1", T0)
+        },
+        T0,
+    )
+    .await;
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Recorded);
+    assert_eq!(record.next_attempt_at, None);
+    assert!(claim(s, T0 + DAY_MS, 10).await.is_empty());
+    assert_eq!(s.depth().await.unwrap(), QueueDepth::default());
+    let listed = list_all(
+        s,
+        ListFilter {
+            state: Some(MessageState::Recorded),
+            limit: 10,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(ids(&listed), vec![id.clone()]);
+
+    // A recorded message does not hold up a later deliverable one of the same key.
+    let next = accept(s, inbound("payzu", "tx1", T0 + 1), T0 + 1).await;
+    claim_exactly(s, T0 + 1, &[&next]).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Listing
+
+async fn list_pages_have_no_gaps_or_duplicates(h: &Harness) {
+    let s = h.s();
+    let mut all = Vec::new();
+    for i in 0..25 {
+        all.push(accept_new(s, &format!("pay/{}", i % 6), T0 + i * 1_000).await);
+    }
+    let mut filter = ListFilter {
+        limit: 7,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    let mut pages = 0;
+    loop {
+        let page = s.list(&filter).await.unwrap();
+        pages += 1;
+        assert!(page.messages.len() <= 7);
+        seen.extend(ids(&page.messages));
+        match page.next_after {
+            Some(after) => filter.after = Some(after),
+            None => break,
+        }
+        assert!(pages < 10);
+    }
+    assert_eq!(seen, all, "ascending by id, each once");
+    assert!(pages <= 5, "{pages} pages");
+}
+
+async fn list_pages_stay_consistent_while_messages_arrive(h: &Harness) {
+    let s = h.s();
+    let mut all = Vec::new();
+    for i in 0..25 {
+        all.push(accept_new(s, &format!("pay/{}", i % 4), T0 + i * 1_000).await);
+    }
+    let mut filter = ListFilter {
+        limit: 7,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    let mut now = T0 + 100_000;
+    for _ in 0..20 {
+        let page = s.list(&filter).await.unwrap();
+        seen.extend(ids(&page.messages));
+        let Some(after) = page.next_after else { break };
+        filter.after = Some(after);
+        // New messages between pages (newer ids) show up at the end, not as gaps.
+        for _ in 0..2 {
+            now += 1_000;
+            all.push(accept_new(s, &format!("pay/new{now}"), now).await);
+        }
+    }
+    assert_eq!(seen, all);
+}
+
+async fn list_filters_by_state_source_key_and_window(h: &Harness) {
+    let s = h.s();
+    let mut payzu = Vec::new();
+    let mut payzu_tx1 = Vec::new();
+    let mut other = Vec::new();
+    for i in 0..10 {
+        let now = T0 + i * 1_000;
+        if i % 3 == 0 {
+            other.push(accept(s, inbound("other", &format!("tx{i}"), now), now).await);
+        } else {
+            let tx = format!("tx{}", i % 2);
+            let id = accept(s, inbound("payzu", &tx, now), now).await;
+            if tx == "tx1" {
+                payzu_tx1.push(id.clone());
+            }
+            payzu.push(id);
+        }
+    }
+    let delivered = claim(s, T0 + 20_000, 100).await;
+    let delivered = delivered.iter().find(|c| c.message.id == payzu[0]).unwrap();
+    assert!(complete(s, delivered, Completion::Delivered, T0 + 20_001).await);
+
+    let by = |filter: ListFilter| list_all(s, ListFilter { limit: 3, ..filter });
+    let source = by(ListFilter {
+        source: Some("payzu".into()),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(ids(&source), payzu);
+    let source = by(ListFilter {
+        source: Some("other".into()),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(ids(&source), other);
+    assert!(
+        by(ListFilter {
+            source: Some("nobody".into()),
+            ..Default::default()
+        })
+        .await
+        .is_empty()
+    );
+
+    let done = by(ListFilter {
+        state: Some(MessageState::Delivered),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(ids(&done), vec![payzu[0].clone()]);
+    assert!(done.iter().all(|r| r.state == MessageState::Delivered));
+
+    let key = by(ListFilter {
+        ordering_key: Some("src/payzu/tx1".into()),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(ids(&key), payzu_tx1);
+    assert_eq!(payzu_tx1.len(), 3);
+
+    // Key and state together.
+    let key_done = by(ListFilter {
+        ordering_key: Some(delivered.message.ordering_key.clone()),
+        state: Some(MessageState::Delivered),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(ids(&key_done), vec![payzu[0].clone()]);
+
+    // The window is inclusive at both ends.
+    let window = by(ListFilter {
+        created_from: Some(T0 + 3_000),
+        created_to: Some(T0 + 6_000),
+        ..Default::default()
+    })
+    .await;
+    let times: Vec<_> = window.iter().map(|r| r.message.created_at - T0).collect();
+    assert_eq!(times, vec![3_000, 4_000, 5_000, 6_000]);
+
+    let window_source = by(ListFilter {
+        created_from: Some(T0 + 3_000),
+        created_to: Some(T0 + 6_000),
+        source: Some("other".into()),
+        ..Default::default()
+    })
+    .await;
+    let times: Vec<_> = window_source
+        .iter()
+        .map(|r| r.message.created_at - T0)
+        .collect();
+    assert_eq!(times, vec![3_000, 6_000]);
+}
+
+/// A filter that matches few messages must page through without dropping any, even when
+/// the matches bunch up at the end of the scan.
+async fn list_with_a_sparse_filter_loses_nothing(h: &Harness) {
+    let s = h.s();
+    let mut wanted = Vec::new();
+    for (i, source) in ["a", "b", "b", "a", "a", "a"].iter().enumerate() {
+        let now = T0 + i as i64 * 1_000;
+        let id = accept(s, inbound(source, &format!("tx{i}"), now), now).await;
+        if *source == "a" {
+            wanted.push(id);
+        }
+    }
+    for limit in 1..=6 {
+        let listed = list_all(
+            s,
+            ListFilter {
+                source: Some("a".into()),
+                limit,
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(ids(&listed), wanted, "limit {limit}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// History, depth, operations, get
+
+async fn history_rows_are_kept_in_order(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    let first = Attempt {
+        error: Some("timeout".into()),
+        status: None,
+        latency_ms: Some(10_000),
+        ..delivery(1, T0 + 10_000, 0)
+    };
+    assert!(
+        s.complete(
+            &c,
+            first.clone(),
+            Completion::Retry {
+                next_at: T0 + 20_000
+            },
+            T0 + 10_000
+        )
+        .await
+        .unwrap()
+    );
+    let c = claim_one(s, T0 + 20_000, &id).await;
+    let second = delivery(2, T0 + 20_100, 503);
+    assert!(
+        s.complete(&c, second.clone(), Completion::Dead, T0 + 20_100)
+            .await
+            .unwrap()
+    );
+    let mark = resend_mark(T0 + 30_000);
+    s.resend(&id, mark.clone(), T0 + 8 * DAY_MS, T0 + 30_000)
+        .await
+        .unwrap();
+    let c = claim_one(s, T0 + 30_000, &id).await;
+    let third = delivery(3, T0 + 30_050, 204);
+    assert!(
+        s.complete(&c, third.clone(), Completion::Delivered, T0 + 30_050)
+            .await
+            .unwrap()
+    );
+    assert_eq!(get(s, &id).await.history, vec![first, second, mark, third]);
+}
+
+async fn depth_counts_pending_in_flight_and_dead(h: &Harness) {
+    let s = h.s();
+    assert_eq!(s.depth().await.unwrap(), QueueDepth::default());
+    let dead = accept_new(s, "pay/1", T0).await;
+    let delivered = accept_new(s, "pay/2", T0 + 1).await;
+    let in_flight = accept_new(s, "pay/3", T0 + 2).await;
+    accept_new(s, "pay/4", T0 + 3).await;
+    accept_new(s, "pay/4", T0 + 4).await;
+    accept(
+        s,
+        NewMessage {
+            target_url: None,
+            ..inbound("payzu", "tx", T0 + 5)
+        },
+        T0 + 5,
+    )
+    .await;
+    assert_eq!(
+        s.depth().await.unwrap(),
+        QueueDepth {
+            pending: 5,
+            in_flight: 0,
+            dead: 0
+        }
+    );
+    let claimed = claim(s, T0 + 10, 10).await;
+    assert_eq!(claimed.len(), 4);
+    let by_id = |id: &MessageId| claimed.iter().find(|c| &c.message.id == id).unwrap();
+    assert!(complete(s, by_id(&dead), Completion::Dead, T0 + 11).await);
+    assert!(complete(s, by_id(&delivered), Completion::Delivered, T0 + 11).await);
+    assert_eq!(get(s, &in_flight).await.state, MessageState::InFlight);
+    assert_eq!(
+        s.depth().await.unwrap(),
+        QueueDepth {
+            pending: 1,
+            in_flight: 2,
+            dead: 1
+        }
+    );
+}
+
+async fn operations_are_reserved_then_finished(h: &Harness) {
+    let s = h.s();
+    assert_eq!(
+        s.reserve_operation("req-1", 60).await.unwrap(),
+        OperationReservation::Fresh
+    );
+    assert_eq!(
+        s.reserve_operation("req-1", 60).await.unwrap(),
+        OperationReservation::InProgress
+    );
+    s.finish_operation("req-1", r#"{"resent":2}"#, 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.reserve_operation("req-1", 60).await.unwrap(),
+        OperationReservation::Done(r#"{"resent":2}"#.into())
+    );
+    assert_eq!(
+        s.reserve_operation("req-2", 60).await.unwrap(),
+        OperationReservation::Fresh
+    );
+    s.ping().await.unwrap();
+}
+
+async fn get_of_an_unknown_id_is_none(h: &Harness) {
+    let s = h.s();
+    accept_new(s, "pay/1", T0).await;
+    assert_eq!(
+        s.get(&MessageId::generate(T0, "pay/1")).await.unwrap(),
+        None
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Backend-specific
+
+mod redis_only {
+    use super::*;
+
+    /// Redis expires claims on its own clock; check the TTL it was given.
+    #[tokio::test]
+    async fn the_dedupe_claim_carries_its_ttl() {
+        let h = Harness::redis().await;
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let req = request("k-ttl", new_message("pay/1", T0));
+        let partition = partition_of("pay/1");
+        h.s().accept(req, T0).await.unwrap();
+        let ttl: u64 = server
+            .cli(&["TTL", &format!("cb:{{p{partition:02}}}:d:k-ttl")])
+            .parse()
+            .expect("a TTL");
+        assert!(
+            (TTL_SECS - 10..=TTL_SECS).contains(&ttl),
+            "TTL {ttl}, expected about {TTL_SECS}"
+        );
+    }
+}
+
+mod sqlite_only {
+    use super::*;
+    use std::path::{Path, PathBuf};
+
+    fn fresh() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested").join("cb.db");
+        (dir, path)
+    }
+
+    #[tokio::test]
+    async fn an_expired_claim_does_not_block_a_new_accept() {
+        let (_dir, path) = fresh();
+        let s = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let mut first = request("k", new_message("pay/1", T0));
+        first.claim.ttl_secs = 60;
+        assert_eq!(
+            s.accept(first.clone(), T0).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+
+        let mut before = request("k", new_message("pay/1", T0 + 59_999));
+        before.claim.ttl_secs = 60;
+        assert_eq!(
+            s.accept(before, T0 + 59_999).await.unwrap(),
+            AcceptOutcome::Replayed {
+                response: first.claim.response.clone()
+            }
+        );
+        let later = T0 + 61_000;
+        let mut after = request("k", new_message("pay/1", later));
+        after.claim.ttl_secs = 60;
+        after.claim.fingerprint = "another request".into();
+        let after_id = after.message.id.clone();
+        assert_eq!(
+            s.accept(after, later).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+        assert!(s.get(&after_id).await.unwrap().is_some());
+        assert!(
+            s.get(&first.message.id).await.unwrap().is_some(),
+            "only the claim expired"
+        );
+    }
+
+    #[tokio::test]
+    async fn payment_status_expires_with_its_claim_like_on_redis() {
+        let (_dir, path) = fresh();
+        let s = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let mut approve = notification("p1", "approved", &["undefined"], T0);
+        approve.claim.ttl_secs = 60;
+        assert_eq!(
+            s.accept(approve, T0).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+        assert_eq!(
+            s.payment_status("p1").await.unwrap().as_deref(),
+            Some("approved")
+        );
+        let later = T0 + 61_000;
+        let settle = notification("p1", "settled", &["approved"], later);
+        assert_eq!(
+            s.accept(settle, later).await.unwrap(),
+            AcceptOutcome::InvalidTransition {
+                from: "undefined".into()
+            }
+        );
+        assert_eq!(s.payment_status("p1").await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn finished_messages_are_purged_after_the_retention() {
+        let (_dir, path) = fresh();
+        let s = SqliteStore::open(&path, 60).unwrap();
+        let id = accept_new(&s, "pay/1", T0).await;
+        let c = claim_one(&s, T0, &id).await;
+        assert!(complete(&s, &c, Completion::Delivered, T0 + 1).await);
+        let pending = accept_new(&s, "pay/2", T0 + 2).await;
+        accept_new(&s, "pay/3", T0 + 30_000).await;
+        assert!(
+            s.get(&id).await.unwrap().is_some(),
+            "kept for the retention"
+        );
+        accept_new(&s, "pay/3", T0 + 61_001).await;
+        assert_eq!(s.get(&id).await.unwrap(), None);
+        assert!(
+            s.get(&pending).await.unwrap().is_some(),
+            "unfinished work is never purged"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_second_open_of_the_same_file_is_refused() {
+        let (_dir, path) = fresh();
+        let first = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let err = SqliteStore::open(&path, RETENTION_SECS).unwrap_err();
+        assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+        assert!(
+            err.to_string().contains("another callbackd process"),
+            "unclear error: {err}"
+        );
+        drop(first);
+        SqliteStore::open(&path, RETENTION_SECS).expect("free again once the first is gone");
+    }
+
+    const CHILD_DB: &str = "CALLBACKD_TEST_CHILD_DB";
+
+    /// Run by `another_process_is_refused` in a child process; does nothing otherwise.
+    #[test]
+    #[ignore = "helper: run by another_process_is_refused"]
+    fn child_tries_to_open() {
+        let Some(path) = std::env::var_os(CHILD_DB) else {
+            return;
+        };
+        let err = SqliteStore::open(Path::new(&path), RETENTION_SECS).unwrap_err();
+        assert!(
+            err.to_string().contains("another callbackd process"),
+            "{err}"
+        );
+        println!("CHILD-REFUSED");
+    }
+
+    #[tokio::test]
+    async fn another_process_is_refused() {
+        let (_dir, path) = fresh();
+        let _held = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "sqlite_only::child_tries_to_open",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_DB, &path)
+            .output()
+            .expect("run the child");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("CHILD-REFUSED"),
+            "child: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    #[tokio::test]
+    async fn everything_survives_a_reopen() {
+        let (_dir, path) = fresh();
+        let req = request("k", new_message("pay/1", T0));
+        let id = req.message.id.clone();
+        {
+            let s = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+            assert_eq!(
+                s.accept(req.clone(), T0).await.unwrap(),
+                AcceptOutcome::Accepted
+            );
+            let c = claim_one(&s, T0, &id).await;
+            assert!(
+                complete(
+                    &s,
+                    &c,
+                    Completion::Retry {
+                        next_at: T0 + 5_000
+                    },
+                    T0 + 1
+                )
+                .await
+            );
+        }
+        let s = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        assert_eq!(
+            s.accept(request("k", new_message("pay/1", T0 + 2)), T0 + 2)
+                .await
+                .unwrap(),
+            AcceptOutcome::Replayed {
+                response: req.claim.response
+            }
+        );
+        let record = get(&s, &id).await;
+        assert_eq!(record.state, MessageState::Pending);
+        assert_eq!(record.next_attempt_at, Some(T0 + 5_000));
+        assert_eq!(record.history.len(), 1);
+        let c = claim_one(&s, T0 + 5_000, &id).await;
+        assert_eq!(c.attempts, 1);
+    }
+
+    /// A full disk (here a page cap) fails the accept with `Unavailable` (a 503) and burns
+    /// nothing: once there is room, the same request is accepted.
+    #[tokio::test]
+    async fn a_full_disk_is_unavailable_and_burns_no_key() {
+        let (_dir, path) = fresh();
+        let s = SqliteStore::open_with(&path, RETENTION_SECS, SqliteOptions::default()).unwrap();
+        accept_new(&s, "pay/0", T0).await;
+        s.set_max_page_count(1).await.unwrap();
+
+        // Bigger than a page: it needs new pages, which the cap refuses.
+        let mut big = request("k-big", new_message("pay/1", T0 + 1));
+        big.message.body = format!(r#"{{"blob":"{}"}}"#, "x".repeat(64 * 1024));
+        let err = s.accept(big.clone(), T0 + 1).await.unwrap_err();
+        assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+        assert_eq!(s.get(&big.message.id).await.unwrap(), None);
+
+        s.set_max_page_count(1 << 30).await.unwrap();
+        assert_eq!(
+            s.accept(big.clone(), T0 + 2).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+        assert!(s.get(&big.message.id).await.unwrap().is_some());
+    }
+
+    /// The same cap given at open time, and a store that outlives the failure.
+    #[tokio::test]
+    async fn a_page_cap_at_open_fails_writes_but_not_reads() {
+        let (_dir, path) = fresh();
+        {
+            SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        }
+        let options = SqliteOptions {
+            max_page_count: Some(1),
+            ..SqliteOptions::default()
+        };
+        let s = SqliteStore::open_with(&path, RETENTION_SECS, options).unwrap();
+        let mut big = request("k", new_message("pay/1", T0));
+        big.message.body = "y".repeat(64 * 1024);
+        assert!(matches!(
+            s.accept(big, T0).await,
+            Err(StoreError::Unavailable(_))
+        ));
+        assert_eq!(s.depth().await.unwrap(), QueueDepth::default());
+        s.ping().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_file_that_is_not_a_database_is_refused() {
+        let (_dir, path) = fresh();
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(
+            &path,
+            b"this is not a SQLite database, not even close.......",
+        )
+        .unwrap();
+        let err = SqliteStore::open(&path, RETENTION_SECS).unwrap_err();
+        assert!(
+            err.to_string().contains(&path.display().to_string()),
+            "{err}"
+        );
+    }
+
+    /// Many writers at once: every accept commits (group commit is unit-tested in sqlite.rs).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_concurrent_accepts_all_commit() {
+        let (_dir, path) = fresh();
+        let s = std::sync::Arc::new(SqliteStore::open(&path, RETENTION_SECS).unwrap());
+        let before = s.commits();
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..200 {
+            let s = std::sync::Arc::clone(&s);
+            tasks.spawn(async move {
+                let now = T0 + i;
+                s.accept(
+                    request(&format!("k{i}"), new_message(&format!("o{i}"), now)),
+                    now,
+                )
+                .await
+            });
+        }
+        while let Some(outcome) = tasks.join_next().await {
+            assert_eq!(outcome.unwrap().unwrap(), AcceptOutcome::Accepted);
+        }
+        let commits = s.commits() - before;
+        assert!((1..=200).contains(&commits), "{commits}");
+        let all = list_all(
+            &*s,
+            ListFilter {
+                limit: 500,
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(all.len(), 200);
+    }
+}
