@@ -13,40 +13,9 @@ use callbackd::dispatch::Dispatcher;
 use serde_json::{Value, json};
 use support::redis::RedisServer;
 use support::sink::{Reply, Sink};
-use support::{ADMIN_TOKEN, CONNECTOR_TOKEN, TestServer, config, eventually};
-
-fn handoff(payment: &str, status: &str, url: &str) -> Value {
-    json!({"paymentId": payment, "status": status, "callbackUrl": url})
-}
-
-async fn virtual_server(
-    redis: &RedisServer,
-) -> (
-    TestServer,
-    Arc<callbackd::clock::ManualClock>,
-    Arc<Dispatcher>,
-) {
-    let clock = support::manual_clock();
-    let mut cfg = config(&redis.url(), None);
-    cfg.dispatch.enabled = false;
-    cfg.dispatch.max_age_secs = 3600;
-    cfg.dispatch.initial_backoff_ms = 1000;
-    cfg.dispatch.max_backoff_secs = 3600;
-    // All sinks are one host; let a tick deliver everything due at once.
-    cfg.dispatch.per_host_concurrency = cfg.dispatch.concurrency;
-    let server = TestServer::start_with_clock(cfg, clock.clone()).await;
-    let app = &server.app;
-    let d = Arc::new(
-        Dispatcher::new(
-            &app.config,
-            app.store.clone(),
-            clock.clone(),
-            app.wake.clone(),
-        )
-        .unwrap(),
-    );
-    (server, clock, d)
-}
+use support::{
+    ADMIN_TOKEN, CONNECTOR_TOKEN, TestServer, config, eventually, handoff, virtual_server,
+};
 
 async fn view(server: &TestServer, id: &str) -> Value {
     let r = server.admin_get(&format!("/v1/messages/{id}")).await;
@@ -76,7 +45,7 @@ async fn kill_message(
 #[tokio::test]
 async fn inspect_a_message_that_failed_three_times() {
     let redis = RedisServer::start();
-    let (server, clock, d) = virtual_server(&redis).await;
+    let (server, clock, d) = virtual_server(&redis.url(), |c| c.dispatch.max_age_secs = 3600).await;
     let sink = Sink::start(|_, n| Reply::status(if n < 3 { 503 } else { 204 })).await;
     let body = json!({"paymentId": "p-i", "status": "approved", "callbackUrl": format!("{}/cb", sink.url),
         "headers": {"X-VTEX-API-AppToken": "super-secret-app-token"}});
@@ -121,7 +90,7 @@ async fn inspect_a_message_that_failed_three_times() {
 #[tokio::test]
 async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive() {
     let redis = RedisServer::start();
-    let (server, clock, d) = virtual_server(&redis).await;
+    let (server, clock, d) = virtual_server(&redis.url(), |c| c.dispatch.max_age_secs = 3600).await;
     let sink = Sink::start(|_, _| Reply::status(410)).await;
     let url = format!("{}/cb", sink.url);
     for i in 0..23 {
@@ -190,7 +159,7 @@ async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive(
 #[tokio::test]
 async fn resend_by_id_payment_and_window_with_request_id() {
     let redis = RedisServer::start();
-    let (server, clock, d) = virtual_server(&redis).await;
+    let (server, clock, d) = virtual_server(&redis.url(), |c| c.dispatch.max_age_secs = 3600).await;
     let sink = Sink::start(|_, _| Reply::status(500)).await;
     let url = format!("{}/cb", sink.url);
     let mut ids = Vec::new();
@@ -276,7 +245,8 @@ async fn resend_by_id_payment_and_window_with_request_id() {
 #[tokio::test]
 async fn resend_of_a_pending_message_keeps_its_schedule() {
     let redis = RedisServer::start();
-    let (server, _clock, d) = virtual_server(&redis).await;
+    let (server, _clock, d) =
+        virtual_server(&redis.url(), |c| c.dispatch.max_age_secs = 3600).await;
     let sink = Sink::start(|_, _| Reply::status(503)).await;
     let a: Value = server
         .notify(&handoff("r-p", "approved", &format!("{}/cb", sink.url)))

@@ -12,11 +12,7 @@ use callbackd::store::{MessageId, MessageRecord, MessageState};
 use serde_json::{Value, json};
 use support::redis::RedisServer;
 use support::sink::{Reply, Sink};
-use support::{TestServer, config, eventually};
-
-fn handoff(payment: &str, status: &str, url: &str) -> Value {
-    json!({"paymentId": payment, "status": status, "callbackUrl": url})
-}
+use support::{TestServer, config, eventually, handoff, virtual_server};
 
 async fn record(server: &TestServer, id: &str) -> MessageRecord {
     server
@@ -26,31 +22,6 @@ async fn record(server: &TestServer, id: &str) -> MessageRecord {
         .await
         .unwrap()
         .expect("message exists")
-}
-
-/// A server on a virtual clock with its dispatcher driven by the test.
-async fn virtual_server(
-    redis: &RedisServer,
-    tweak: impl FnOnce(&mut callbackd::config::Config),
-) -> (TestServer, Arc<ManualClock>, Arc<Dispatcher>) {
-    let clock = support::manual_clock();
-    let mut cfg = config(&redis.url(), None);
-    cfg.dispatch.enabled = false;
-    cfg.dispatch.initial_backoff_ms = 1000;
-    cfg.dispatch.max_backoff_secs = 3600;
-    tweak(&mut cfg);
-    let server = TestServer::start_with_clock(cfg, clock.clone()).await;
-    let app = &server.app;
-    let dispatcher = Arc::new(
-        Dispatcher::new(
-            &app.config,
-            app.store.clone(),
-            clock.clone(),
-            app.wake.clone(),
-        )
-        .unwrap(),
-    );
-    (server, clock, dispatcher)
 }
 
 /// Advances the virtual clock to each next attempt until the message is finished.
@@ -402,7 +373,7 @@ async fn approved_retried_three_times_still_arrives_before_settled() {
 #[tokio::test]
 async fn seven_days_on_a_virtual_clock() {
     let redis = RedisServer::start();
-    let (server, clock, d) = virtual_server(&redis, |_| {}).await;
+    let (server, clock, d) = virtual_server(&redis.url(), |_| {}).await;
     let start = clock.now_ms();
     let six_days = 6 * 86_400_000;
     let sink = Sink::start({
@@ -502,7 +473,8 @@ async fn seven_days_on_a_virtual_clock() {
 #[tokio::test]
 async fn retry_after_gone_and_failures() {
     let redis = RedisServer::start();
-    let (server, clock, d) = virtual_server(&redis, |c| c.dispatch.request_timeout_ms = 300).await;
+    let (server, clock, d) =
+        virtual_server(&redis.url(), |c| c.dispatch.request_timeout_ms = 300).await;
     let date = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(300));
     let sink = Sink::start(move |req, _| match req.uri.as_str() {
         "/seconds" => Reply {

@@ -182,3 +182,40 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// A notification hand-off body.
+pub fn handoff(payment: &str, status: &str, url: &str) -> serde_json::Value {
+    serde_json::json!({"paymentId": payment, "status": status, "callbackUrl": url})
+}
+
+/// A server on a virtual clock (default 1 s / 1 h backoff), its dispatcher driven by the
+/// test through `tick()`. `tweak` adjusts the config first.
+pub async fn virtual_server(
+    store_url: &str,
+    tweak: impl FnOnce(&mut Config),
+) -> (
+    TestServer,
+    Arc<ManualClock>,
+    Arc<callbackd::dispatch::Dispatcher>,
+) {
+    let clock = manual_clock();
+    let mut cfg = config(store_url, None);
+    cfg.dispatch.enabled = false;
+    cfg.dispatch.initial_backoff_ms = 1000;
+    cfg.dispatch.max_backoff_secs = 3600;
+    // All sinks are one host; let a tick deliver everything due at once.
+    cfg.dispatch.per_host_concurrency = cfg.dispatch.concurrency;
+    tweak(&mut cfg);
+    let server = TestServer::start_with_clock(cfg, clock.clone()).await;
+    let app = &server.app;
+    let dispatcher = Arc::new(
+        callbackd::dispatch::Dispatcher::new(
+            &app.config,
+            app.store.clone(),
+            clock.clone(),
+            app.wake.clone(),
+        )
+        .expect("dispatcher"),
+    );
+    (server, clock, dispatcher)
+}
