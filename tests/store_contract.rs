@@ -1248,7 +1248,7 @@ mod redis_only {
 
 mod sqlite_only {
     use super::*;
-    use std::path::{Path, PathBuf};
+    use std::path::PathBuf;
 
     fn fresh() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
@@ -1351,45 +1351,8 @@ mod sqlite_only {
         SqliteStore::open(&path, RETENTION_SECS).expect("free again once the first is gone");
     }
 
-    const CHILD_DB: &str = "CALLBACKD_TEST_CHILD_DB";
-
-    /// Run by `another_process_is_refused` in a child process; does nothing otherwise.
-    #[test]
-    #[ignore = "helper: run by another_process_is_refused"]
-    fn child_tries_to_open() {
-        let Some(path) = std::env::var_os(CHILD_DB) else {
-            return;
-        };
-        let err = SqliteStore::open(Path::new(&path), RETENTION_SECS).unwrap_err();
-        assert!(
-            err.to_string().contains("another callbackd process"),
-            "{err}"
-        );
-        println!("CHILD-REFUSED");
-    }
-
-    #[tokio::test]
-    async fn another_process_is_refused() {
-        let (_dir, path) = fresh();
-        let _held = SqliteStore::open(&path, RETENTION_SECS).unwrap();
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "sqlite_only::child_tries_to_open",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_DB, &path)
-            .output()
-            .expect("run the child");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("CHILD-REFUSED"),
-            "child: {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    // A second *process* on the same file is refused: tests/sqlite_processes.rs starts two
+    // `callbackd serve` on one database.
 
     #[tokio::test]
     async fn everything_survives_a_reopen() {
