@@ -110,6 +110,7 @@ contract!(
     resend_expedites_a_pending_message_and_the_schedule_resumes,
     resend_of_a_message_behind_another_is_queued,
     resend_in_flight_delivers_once_more_after_the_current_attempt,
+    resend_in_flight_survives_an_attempt_that_ends_the_message,
     resend_skips_unknown_and_recorded_messages,
     recorded_messages_are_never_claimed,
     list_pages_have_no_gaps_or_duplicates,
@@ -859,6 +860,27 @@ async fn resend_in_flight_delivers_once_more_after_the_current_attempt(h: &Harne
         MessageState::Delivered,
         "once more, not forever"
     );
+}
+
+async fn resend_in_flight_survives_an_attempt_that_ends_the_message(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    let fresh_deadline = T0 + 7 * DAY_MS;
+    assert_eq!(
+        s.resend(&id, resend_mark(T0 + 1), fresh_deadline, T0 + 1)
+            .await
+            .unwrap(),
+        ResendEffect::AfterCurrent
+    );
+    // The attempt in flight ends the message (410 Gone, or its window ran out)...
+    assert!(complete(s, &c, Completion::Dead, T0 + 100).await);
+    // ...but the operator's order stands: once more, now, with the fresh window.
+    let record = get(s, &id).await;
+    assert_eq!(record.state, MessageState::Pending);
+    assert_eq!(record.next_attempt_at, Some(T0 + 100));
+    let again = claim_one(s, T0 + 100, &id).await;
+    assert_eq!(again.deadline, fresh_deadline);
 }
 
 async fn resend_skips_unknown_and_recorded_messages(h: &Harness) {

@@ -923,8 +923,9 @@ fn complete_tx(
         // where it was, neither shortened nor pushed back (unless that time has passed).
         Completion::Retry { .. } if cur.resume != 0 && cur.resume >= now => Some(cur.resume),
         Completion::Retry { next_at } => Some(next_at),
-        // A resend arrived while this attempt was in flight: deliver once more, now.
-        Completion::Delivered if cur.again => Some(now),
+        // A resend arrived while this attempt was in flight: deliver once more, now, even if
+        // this attempt ended the message (the resend gave it a fresh window).
+        Completion::Delivered | Completion::Dead if cur.again => Some(now),
         Completion::Delivered | Completion::Dead => None,
     };
     if let Some(next_at) = stays_queued {
@@ -1032,9 +1033,9 @@ fn resend_tx(
             Some(_) => Ok(ResendEffect::Expedited),
         },
         MessageState::InFlight => {
-            conn.prepare_cached("UPDATE messages SET again = 1 WHERE id = ?1")
+            conn.prepare_cached("UPDATE messages SET again = 1, deadline = ?2 WHERE id = ?1")
                 .db()?
-                .execute(params![id])
+                .execute(params![id, fresh_deadline])
                 .db()?;
             Ok(ResendEffect::AfterCurrent)
         }

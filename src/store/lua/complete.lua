@@ -17,11 +17,12 @@ redis.call('ZREM', KEYS[6], id)
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'tries', 1)
 local outcome = ARGV[3]
-if outcome == 'retry' or (outcome == 'delivered' and cur[4] == '1') then
-  -- a retry, or a resend that arrived while this attempt was in flight: stay at the head
+if outcome == 'retry' or cur[4] == '1' then
+  -- a retry, or a resend that arrived while this attempt was in flight (delivered once
+  -- more, now, even if this attempt ended it): stay at the head
   local next_at = tonumber(ARGV[5])
   local resume = tonumber(cur[3] or '0')
-  if outcome == 'delivered' then next_at = tonumber(ARGV[6]) end
+  if outcome ~= 'retry' then next_at = tonumber(ARGV[6]) end
   -- an operator's resend brought this attempt forward: the automatic schedule resumes
   -- where it was, neither shortened nor pushed back
   if outcome == 'retry' and resume >= tonumber(ARGV[6]) then next_at = resume end

@@ -36,5 +36,6 @@ if state == 'pending' then
   end
   return 'expedited'
 end
-redis.call('HSET', KEYS[1], 'again', 1)
+-- in flight: once more after the current attempt, with a fresh window
+redis.call('HSET', KEYS[1], 'again', 1, 'dl', ARGV[3])
 return 'after_current'
