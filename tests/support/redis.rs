@@ -11,6 +11,7 @@ pub struct RedisServer {
     dir: tempfile::TempDir,
     child: Option<Child>,
     appendfsync: &'static str,
+    extra_args: Vec<String>,
 }
 
 impl RedisServer {
@@ -20,6 +21,12 @@ impl RedisServer {
     }
 
     pub fn start_with(appendfsync: &'static str) -> RedisServer {
+        Self::start_with_args(appendfsync, &[])
+    }
+
+    /// Starts a server with extra command-line settings, e.g. `["--appendonly", "no"]`
+    /// (later arguments win).
+    pub fn start_with_args(appendfsync: &'static str, extra_args: &[&str]) -> RedisServer {
         let dir = tempfile::tempdir().expect("temp dir for redis");
         let port = free_port();
         let mut server = RedisServer {
@@ -27,6 +34,7 @@ impl RedisServer {
             dir,
             child: None,
             appendfsync,
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
         };
         server.spawn();
         server
@@ -54,6 +62,7 @@ impl RedisServer {
             .arg(self.appendfsync)
             .arg("--save")
             .arg("")
+            .args(&self.extra_args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
