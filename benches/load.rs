@@ -537,7 +537,7 @@ impl RedisProc {
             }
             stats.push((name.to_string(), field("calls="), field("usec=")));
         }
-        stats.sort_by(|a, b| b.2.cmp(&a.2));
+        stats.sort_by_key(|s| std::cmp::Reverse(s.2));
         Ok(stats)
     }
 

@@ -33,8 +33,10 @@ use schedule::Backoff;
 const IDLE_POLL: Duration = Duration::from_millis(100);
 /// Most messages leased in one claim.
 const CLAIM_BATCH: usize = 256;
-/// When a message's host is at its concurrency cap, it is retried this much later.
-const HOST_BUSY_DELAY_MS: i64 = 1_000;
+/// How long a claimed message waits for a slot to its host before going back to the queue.
+const HOST_WAIT: Duration = Duration::from_millis(500);
+/// When its host stayed at its concurrency cap, a message goes back to the queue for this long.
+const HOST_BUSY_DELAY_MS: i64 = 250;
 /// Hosts whose semaphores are remembered; beyond that the idle ones are forgotten.
 const MAX_TRACKED_HOSTS: usize = 10_000;
 
@@ -122,7 +124,14 @@ impl Dispatcher {
     /// Claims what is due now (up to the free permits) and starts delivering it in `tasks`.
     /// Returns how many messages were claimed.
     async fn claim_and_spawn(self: &Arc<Self>, tasks: &mut JoinSet<()>) -> usize {
-        let free = self.permits.available_permits().min(CLAIM_BATCH);
+        // At most one host's worth per claim: when every due message goes to the same gateway
+        // (the common case), a bigger claim would only lease messages that then wait for a
+        // host permit and go back to the queue.
+        let free = self
+            .permits
+            .available_permits()
+            .min(CLAIM_BATCH)
+            .min(self.per_host);
         if free == 0 {
             return 0;
         }
@@ -224,7 +233,10 @@ impl Dispatcher {
         }
     }
 
-    fn host_permit(&self, url: &str) -> Option<OwnedSemaphorePermit> {
+    /// Waits up to [`HOST_WAIT`] for a delivery slot to the URL's host. A gateway that is
+    /// merely busy gets its messages delivered as slots free up; one that is slow makes its
+    /// messages go back to the queue instead of holding workers the other hosts need.
+    async fn host_permit(&self, url: &str) -> Option<OwnedSemaphorePermit> {
         let host = reqwest::Url::parse(url)
             .ok()
             .and_then(|u| u.host_str().map(str::to_string))
@@ -239,7 +251,10 @@ impl Dispatcher {
                 .or_insert_with(|| Arc::new(Semaphore::new(self.per_host)))
                 .clone()
         };
-        semaphore.try_acquire_owned().ok()
+        tokio::time::timeout(HOST_WAIT, semaphore.acquire_owned())
+            .await
+            .ok()?
+            .ok()
     }
 
     async fn deliver(&self, c: Claimed, _permit: OwnedSemaphorePermit) {
@@ -247,7 +262,7 @@ impl Dispatcher {
             self.untrack(&c);
             return;
         };
-        let Some(_host_permit) = self.host_permit(&url) else {
+        let Some(_host_permit) = self.host_permit(&url).await else {
             let _ = self
                 .store
                 .release(&c, self.clock.now_ms() + HOST_BUSY_DELAY_MS)
