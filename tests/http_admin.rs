@@ -518,10 +518,14 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_callbackd"))
+    // Logs go to a file, not a pipe: a full pipe would stall the server mid-test.
+    let log_path = dir.path().join("callbackd.log");
+    let log_file = std::fs::File::create(&log_path).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
         .args(["serve", "--config", config_path.to_str().unwrap()])
-        .stderr(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
+        .stderr(log_file.try_clone().unwrap())
+        .stdout(log_file)
+        .kill_on_drop(true)
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
@@ -579,19 +583,12 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.id().unwrap().to_string()])
         .status()
         .unwrap();
-    let out = tokio::task::spawn_blocking(move || {
-        let _ = child.wait();
-        child
-    })
-    .await
-    .unwrap()
-    .wait_with_output()
-    .unwrap();
-    let logs =
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(0));
+    let logs = std::fs::read_to_string(&log_path).unwrap();
     assert!(logs.lines().count() > 3, "the run logged something: {logs}");
     assert!(
         logs.lines()

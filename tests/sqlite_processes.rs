@@ -134,12 +134,13 @@ async fn the_default_config_runs_without_redis() {
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config.toml")).unwrap();
     std::fs::write(dir.path().join("config.toml"), config).unwrap();
     let port = support::redis::free_port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
+    let _child = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
         .arg("serve")
         .current_dir(dir.path())
         .env("CALLBACKD__SERVER__LISTEN", format!("127.0.0.1:{port}"))
         .env_remove("CALLBACKD_CONFIG")
         .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
         .spawn()
         .unwrap();
     let client = reqwest::Client::new();
@@ -172,6 +173,4 @@ async fn the_default_config_runs_without_redis() {
         assert_eq!(r.status(), 200);
         assert_eq!(r.headers().get("idempotent-replayed").is_some(), replayed);
     }
-    let _ = child.kill();
-    let _ = child.wait();
 }
