@@ -46,6 +46,46 @@ struct Remote {
     token_env: String,
 }
 
+/// Which messages: the filters shared by `messages list` and `resend`.
+#[derive(Args)]
+struct Selection {
+    /// pending, in_flight, delivered, dead or recorded
+    #[arg(long)]
+    state: Option<String>,
+    /// Source name (inbound callbacks)
+    #[arg(long)]
+    source: Option<String>,
+    /// Payment id (connector notifications)
+    #[arg(long)]
+    payment_id: Option<String>,
+    /// Provider transaction id (with --source when several sources are configured)
+    #[arg(long)]
+    transaction_id: Option<String>,
+    /// Created at or after, ISO-8601
+    #[arg(long)]
+    from: Option<String>,
+    /// Created at or before, ISO-8601
+    #[arg(long)]
+    to: Option<String>,
+}
+
+impl Selection {
+    /// The API's names for the given filters.
+    fn fields(self) -> Vec<(&'static str, String)> {
+        [
+            ("state", self.state),
+            ("source", self.source),
+            ("paymentId", self.payment_id),
+            ("transactionId", self.transaction_id),
+            ("createdAtFrom", self.from),
+            ("createdAtTo", self.to),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| value.map(|v| (name, v)))
+        .collect()
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the HTTP server and the delivery workers until SIGTERM or Ctrl-C
@@ -69,22 +109,9 @@ enum Command {
         /// Message id; repeat for several
         #[arg(long = "id")]
         ids: Vec<String>,
-        #[arg(long)]
-        payment_id: Option<String>,
-        #[arg(long)]
-        transaction_id: Option<String>,
-        /// Window start, ISO-8601
-        #[arg(long)]
-        from: Option<String>,
-        /// Window end, ISO-8601
-        #[arg(long)]
-        to: Option<String>,
-        /// Narrow the selection to one source
-        #[arg(long)]
-        source: Option<String>,
-        /// Narrow the selection to one state (dead, delivered, pending, ...)
-        #[arg(long)]
-        state: Option<String>,
+        #[command(flatten)]
+        selection: Selection,
+        /// Makes a retried command resend nothing twice
         #[arg(long)]
         request_id: Option<String>,
     },
@@ -96,23 +123,12 @@ enum MessagesCommand {
     List {
         #[command(flatten)]
         remote: Remote,
-        /// pending, in_flight, delivered, dead or recorded
-        #[arg(long)]
-        state: Option<String>,
-        #[arg(long)]
-        source: Option<String>,
-        #[arg(long)]
-        payment_id: Option<String>,
-        #[arg(long)]
-        transaction_id: Option<String>,
-        /// Created at or after, ISO-8601
-        #[arg(long)]
-        from: Option<String>,
-        /// Created at or before, ISO-8601
-        #[arg(long)]
-        to: Option<String>,
+        #[command(flatten)]
+        selection: Selection,
+        /// Messages per page, 1 to 1000
         #[arg(long, default_value_t = 50)]
         limit: usize,
+        /// `nextCursor` from the previous page
         #[arg(long)]
         cursor: Option<String>,
     },
@@ -255,33 +271,17 @@ async fn call_admin(
     }
 }
 
-fn push(query: &mut Vec<(&'static str, String)>, name: &'static str, value: Option<String>) {
-    if let Some(v) = value {
-        query.push((name, v));
-    }
-}
-
 async fn messages(command: MessagesCommand) -> Result<(), String> {
     match command {
         MessagesCommand::List {
             remote,
-            state,
-            source,
-            payment_id,
-            transaction_id,
-            from,
-            to,
+            selection,
             limit,
             cursor,
         } => {
-            let mut q = vec![("limit", limit.to_string())];
-            push(&mut q, "state", state);
-            push(&mut q, "source", source);
-            push(&mut q, "paymentId", payment_id);
-            push(&mut q, "transactionId", transaction_id);
-            push(&mut q, "createdAtFrom", from);
-            push(&mut q, "createdAtTo", to);
-            push(&mut q, "cursor", cursor);
+            let mut q = selection.fields();
+            q.push(("limit", limit.to_string()));
+            q.extend(cursor.map(|c| ("cursor", c)));
             call_admin(&remote, reqwest::Method::GET, "/v1/messages", &q, None).await
         }
         MessagesCommand::Show { remote, id } => {
@@ -301,40 +301,26 @@ async fn main() -> ExitCode {
         Command::Resend {
             remote,
             ids,
-            payment_id,
-            transaction_id,
-            from,
-            to,
-            source,
-            state,
+            selection,
             request_id,
         } => {
-            let body = json!({
-                "messageIds": (!ids.is_empty()).then_some(ids),
-                "paymentId": payment_id,
-                "transactionId": transaction_id,
-                "createdAtFrom": from,
-                "createdAtTo": to,
-                "source": source,
-                "state": state,
-                "requestId": request_id,
-            });
-            let body = Value::Object(
-                body.as_object()
-                    .map(|o| {
-                        o.iter()
-                            .filter(|(_, v)| !v.is_null())
-                            .map(|(k, v)| (k.clone(), v.clone()))
-                            .collect()
-                    })
-                    .unwrap_or_default(),
-            );
+            let mut body: serde_json::Map<String, Value> = selection
+                .fields()
+                .into_iter()
+                .map(|(name, value)| (name.to_string(), Value::String(value)))
+                .collect();
+            if !ids.is_empty() {
+                body.insert("messageIds".into(), json!(ids));
+            }
+            if let Some(r) = request_id {
+                body.insert("requestId".into(), Value::String(r));
+            }
             call_admin(
                 &remote,
                 reqwest::Method::POST,
                 "/v1/admin/resend",
                 &[],
-                Some(body),
+                Some(Value::Object(body)),
             )
             .await
         }
