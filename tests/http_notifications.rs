@@ -591,3 +591,55 @@ async fn inbound_callbacks_are_forwarded_and_signed() {
         )
         .expect("forward signature verifies");
 }
+
+#[tokio::test]
+async fn a_slow_gateway_does_not_hold_up_another() {
+    let redis = RedisServer::start();
+    let slow = Sink::start(|_, _| Reply {
+        status: 204,
+        retry_after: None,
+        delay: Duration::from_secs(5),
+    })
+    .await;
+    let fast = Sink::ok().await;
+    let mut cfg = config(&redis.url(), None);
+    cfg.dispatch.concurrency = 8;
+    cfg.dispatch.per_host_concurrency = 2;
+    let server = TestServer::start(cfg).await;
+    for i in 0..20 {
+        let r = server
+            .notify(&handoff(
+                &format!("slow-{i}"),
+                "approved",
+                &format!("{}/cb", slow.url),
+            ))
+            .await;
+        assert_eq!(r.status(), 202);
+    }
+    eventually(5, "the slow gateway is busy", || async {
+        (slow.count() >= 2).then_some(())
+    })
+    .await;
+    let handed_off = std::time::Instant::now();
+    let r = server
+        .notify(&handoff("fast-1", "approved", &format!("{}/cb", fast.url)))
+        .await;
+    assert_eq!(r.status(), 202);
+    eventually(10, "the other gateway's delivery", || async {
+        (fast.count() == 1).then_some(())
+    })
+    .await;
+    // Served while the slow gateway's first two requests were still open (each takes 1.5 s),
+    // and no third request reached the slow gateway meanwhile: the per-host cap held.
+    assert!(
+        handed_off.elapsed() < Duration::from_millis(1200),
+        "{:?}",
+        handed_off.elapsed()
+    );
+    assert_eq!(
+        slow.count(),
+        2,
+        "never more than per_host_concurrency at once"
+    );
+    println!("other gateway served after {:?}", handed_off.elapsed());
+}

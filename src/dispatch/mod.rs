@@ -237,9 +237,13 @@ impl Dispatcher {
     /// merely busy gets its messages delivered as slots free up; one that is slow makes its
     /// messages go back to the queue instead of holding workers the other hosts need.
     async fn host_permit(&self, url: &str) -> Option<OwnedSemaphorePermit> {
+        // host:port, so two services on one machine are two targets.
         let host = reqwest::Url::parse(url)
             .ok()
-            .and_then(|u| u.host_str().map(str::to_string))
+            .and_then(|u| {
+                let port = u.port_or_known_default().unwrap_or(0);
+                u.host_str().map(|h| format!("{h}:{port}"))
+            })
             .unwrap_or_default();
         let semaphore = {
             let mut hosts = self.hosts.lock().ok()?;
