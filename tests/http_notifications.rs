@@ -629,13 +629,9 @@ async fn a_slow_gateway_does_not_hold_up_another() {
         (fast.count() == 1).then_some(())
     })
     .await;
-    // Served while the slow gateway's first two requests were still open (each takes 1.5 s),
-    // and no third request reached the slow gateway meanwhile: the per-host cap held.
-    assert!(
-        handed_off.elapsed() < Duration::from_millis(1200),
-        "{:?}",
-        handed_off.elapsed()
-    );
+    // Served while the slow gateway's first two requests were still open (each takes 5 s):
+    // no third request has reached it, so the per-host cap held and the other host did not
+    // wait for the slow backlog.
     assert_eq!(
         slow.count(),
         2,
