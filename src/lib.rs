@@ -108,6 +108,11 @@ pub async fn serve(
     };
     let limits = http::server::Limits {
         header_timeout: Duration::from_secs(app.config.server.header_timeout_secs),
+        // Longer than a slow body is given (`request_timeout_secs`), so that one still gets
+        // its JSON 408 rather than a closed connection.
+        idle_timeout: Duration::from_secs(
+            app.config.server.header_timeout_secs + app.config.server.request_timeout_secs,
+        ),
         max_connections: app.config.server.max_connections,
         grace,
     };

@@ -411,3 +411,19 @@ async fn connections_beyond_the_limit_wait_instead_of_failing() {
     .await;
     assert_eq!(served.unwrap().unwrap().status(), 200);
 }
+
+#[tokio::test]
+async fn silent_connections_are_closed() {
+    use tokio::io::AsyncReadExt;
+    let redis = RedisServer::start();
+    let mut cfg = config(&redis.url(), None);
+    cfg.server.header_timeout_secs = 1;
+    cfg.server.request_timeout_secs = 1;
+    let server = TestServer::start(cfg).await;
+    let addr = server.url.trim_start_matches("http://").to_string();
+    // A connection that never sends a byte must not hold a connection slot forever.
+    let mut idle = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), idle.read_to_end(&mut buf)).await;
+    assert!(closed.is_ok(), "the server closed the idle connection");
+}
