@@ -174,3 +174,57 @@ async fn the_default_config_runs_without_redis() {
         assert_eq!(r.headers().get("idempotent-replayed").is_some(), replayed);
     }
 }
+
+#[tokio::test]
+async fn a_full_disk_answers_503_and_records_nothing() {
+    use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::config(
+        &format!("sqlite://{}", dir.path().join("cb.db").display()),
+        None,
+    );
+    let store = Arc::new(
+        SqliteStore::open_with(&dir.path().join("cb.db"), 3600, SqliteOptions::default()).unwrap(),
+    );
+    let app = Arc::new(
+        callbackd::app::App::new(cfg, store.clone(), Arc::new(callbackd::clock::SystemClock))
+            .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(callbackd::serve(app, listener, shutdown.clone()));
+    let client = reqwest::Client::new();
+    let send = |tx: usize| {
+        client
+            .post(format!("{base}/v1/callbacks/open"))
+            .body(format!(r#"{{"id":"tx-{tx}","status":"COMPLETED"}}"#))
+            .send()
+    };
+
+    // The disk is full: the database may not grow by a single page. What still fits in the
+    // free space of its last pages is accepted; then the first write that needs a page fails.
+    store.set_max_page_count(1).await.unwrap();
+    let mut refused = None;
+    for tx in 0..5_000 {
+        let r = send(tx).await.unwrap();
+        if r.status() == 503 {
+            assert!(r.headers().contains_key("retry-after"));
+            assert_eq!(
+                r.json::<serde_json::Value>().await.unwrap()["error"],
+                "store_unavailable"
+            );
+            refused = Some(tx);
+            break;
+        }
+        assert_eq!(r.status(), 200);
+    }
+    let refused = refused.expect("a full disk refuses writes");
+
+    // Space again: the refused callback is a first arrival, so nothing was recorded or burned.
+    store.set_max_page_count(1 << 30).await.unwrap();
+    let accepted = send(refused).await.unwrap();
+    assert_eq!(accepted.status(), 200);
+    assert!(accepted.headers().get("idempotent-replayed").is_none());
+    shutdown.cancel();
+}
