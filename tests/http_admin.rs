@@ -49,8 +49,8 @@ async fn inspect_a_message_that_failed_three_times() {
     let sink = Sink::start(|_, n| Reply::status(if n < 3 { 503 } else { 204 })).await;
     let body = json!({"paymentId": "p-i", "status": "approved", "callbackUrl": format!("{}/cb", sink.url),
         "headers": {"X-VTEX-API-AppToken": "super-secret-app-token"}});
-    let answer: Value = server.notify(&body).await.json().await.unwrap();
-    let id = answer["notificationId"].as_str().unwrap();
+    let id = server.hand_off_id(&body).await;
+    let id = id.as_str();
     for _ in 0..3 {
         d.tick().await;
         let v = view(&server, id).await;
@@ -248,13 +248,10 @@ async fn resend_of_a_pending_message_keeps_its_schedule() {
     let (server, _clock, d) =
         virtual_server(&redis.url(), |c| c.dispatch.max_age_secs = 3600).await;
     let sink = Sink::start(|_, _| Reply::status(503)).await;
-    let a: Value = server
-        .notify(&handoff("r-p", "approved", &format!("{}/cb", sink.url)))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let id = a["notificationId"].as_str().unwrap();
+    let id = server
+        .hand_off_id(&handoff("r-p", "approved", &format!("{}/cb", sink.url)))
+        .await;
+    let id = id.as_str();
     d.tick().await;
     d.tick().await;
     let scheduled = view(&server, id).await["nextAttemptAt"].clone();
@@ -419,13 +416,9 @@ async fn cli_round_trip() {
     let redis = RedisServer::start();
     let sink = Sink::start(|_, _| Reply::status(410)).await;
     let server = TestServer::start(config(&redis.url(), None)).await;
-    let a: Value = server
-        .notify(&handoff("cli-1", "approved", &format!("{}/cb", sink.url)))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let id = a["notificationId"].as_str().unwrap().to_string();
+    let id = server
+        .hand_off_id(&handoff("cli-1", "approved", &format!("{}/cb", sink.url)))
+        .await;
     eventually(10, "dead letter", || async {
         let v: Value = server
             .admin_get(&format!("/v1/messages/{id}"))

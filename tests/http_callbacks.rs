@@ -142,16 +142,13 @@ async fn forged_request_does_not_block_the_real_one() {
     let server = TestServer::start(config(&redis.url(), None)).await;
     let now = server.app.clock.now_secs();
     let forged = server
-        .client
-        .post(format!("{}/v1/callbacks/payzu", server.url))
-        .header(
-            "x-callback-signature",
-            sign_payzu(b"attacker", now, BODY.as_bytes()),
+        .post_signed(
+            "payzu",
+            BODY,
+            &sign_payzu(b"attacker", now, BODY.as_bytes()),
+            None,
         )
-        .body(BODY)
-        .send()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(forged.status(), 401);
     let err: serde_json::Value = forged.json().await.unwrap();
     assert_eq!(err["error"], "invalid_signature");
@@ -320,18 +317,10 @@ async fn rotated_secret_verifies() {
     let redis = RedisServer::start();
     let server = TestServer::start(config(&redis.url(), None)).await;
     let now = server.app.clock.now_secs();
+    let without_space = sign_payzu(b"old-secret", now, BODY.as_bytes()).replace(", ", ",");
     let r = server
-        .client
-        .post(format!("{}/v1/callbacks/payzu", server.url))
-        .header(
-            "x-callback-signature",
-            sign_payzu(b"old-secret", now, BODY.as_bytes()).replace(", ", ","),
-        )
-        .body(BODY)
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .unwrap();
+        .post_signed("payzu", BODY, &without_space, None)
+        .await;
     assert_eq!(r.status(), 200);
 }
 

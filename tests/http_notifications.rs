@@ -389,19 +389,10 @@ async fn seven_days_on_a_virtual_clock() {
     .await;
 
     // Down for six days, then up: delivered once.
-    let answer: Value = server
-        .notify(&handoff("p-6d", "approved", &format!("{}/cb", sink.url)))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let rec = run_to_completion(
-        &server,
-        &clock,
-        &d,
-        answer["notificationId"].as_str().unwrap(),
-    )
-    .await;
+    let id = server
+        .hand_off_id(&handoff("p-6d", "approved", &format!("{}/cb", sink.url)))
+        .await;
+    let rec = run_to_completion(&server, &clock, &d, &id).await;
     assert_eq!(rec.state, MessageState::Delivered);
     let successes = rec.history.iter().filter(|a| a.status == Some(204)).count();
     assert_eq!(successes, 1);
@@ -415,19 +406,10 @@ async fn seven_days_on_a_virtual_clock() {
     // Down forever: dead exactly at the deadline, nothing after it.
     let down = Sink::start(|_, _| Reply::status(500)).await;
     clock.set(start);
-    let answer: Value = server
-        .notify(&handoff("p-7d", "approved", &format!("{}/cb", down.url)))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let rec = run_to_completion(
-        &server,
-        &clock,
-        &d,
-        answer["notificationId"].as_str().unwrap(),
-    )
-    .await;
+    let id = server
+        .hand_off_id(&handoff("p-7d", "approved", &format!("{}/cb", down.url)))
+        .await;
+    let rec = run_to_completion(&server, &clock, &d, &id).await;
     assert_eq!(rec.state, MessageState::Dead);
     let last = rec.history.last().unwrap();
     assert_eq!(
@@ -454,14 +436,8 @@ async fn seven_days_on_a_virtual_clock() {
     let short = Sink::start(|_, _| Reply::status(500)).await;
     clock.set(start);
     let body = json!({"paymentId": "p-pix", "status": "approved", "callbackUrl": format!("{}/cb", short.url), "maxAgeSecs": 900});
-    let answer: Value = server.notify(&body).await.json().await.unwrap();
-    let rec = run_to_completion(
-        &server,
-        &clock,
-        &d,
-        answer["notificationId"].as_str().unwrap(),
-    )
-    .await;
+    let id = server.hand_off_id(&body).await;
+    let rec = run_to_completion(&server, &clock, &d, &id).await;
     assert_eq!(rec.state, MessageState::Dead);
     assert_eq!(
         rec.history.last().unwrap().at - rec.message.created_at,

@@ -112,6 +112,17 @@ impl TestServer {
             self.app.clock.now_secs(),
             body.as_bytes(),
         );
+        self.post_signed(source, body, &signature, event).await
+    }
+
+    /// Posts a callback with the given `X-Callback-Signature` value.
+    pub async fn post_signed(
+        &self,
+        source: &str,
+        body: &str,
+        signature: &str,
+        event: Option<&str>,
+    ) -> reqwest::Response {
         let mut req = self
             .client
             .post(format!("{}/v1/callbacks/{source}", self.url))
@@ -122,6 +133,17 @@ impl TestServer {
             req = req.header("x-callback-event", e);
         }
         req.send().await.expect("callback request")
+    }
+
+    /// Hands off a notification that must be accepted, and returns its id.
+    pub async fn hand_off_id(&self, body: &serde_json::Value) -> String {
+        let r = self.notify(body).await;
+        assert_eq!(r.status(), 202, "hand-off accepted");
+        let answer: serde_json::Value = r.json().await.expect("JSON answer");
+        answer["notificationId"]
+            .as_str()
+            .expect("notificationId")
+            .to_string()
     }
 
     pub async fn notify(&self, body: &serde_json::Value) -> reqwest::Response {
