@@ -1190,6 +1190,7 @@ fn inbound_accept(tx: &str, now: i64, target_url: &str) -> AcceptRequest {
             deadline: now + 7 * DAY_MS,
         },
         payment: None,
+        seal: None,
     }
 }
 

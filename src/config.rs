@@ -14,6 +14,8 @@ pub const CONFIG_ENV: &str = "CALLBACKD_CONFIG";
 /// Prefix of per-key overrides: `CALLBACKD__STORE__URL=redis://...`.
 pub const OVERRIDE_PREFIX: &str = "CALLBACKD__";
 pub const DEFAULT_CONFIG_PATH: &str = "config.toml";
+/// Expired data is gone at most this long after it expires.
+pub const MAX_SWEEP_INTERVAL_SECS: u64 = 60;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -81,6 +83,11 @@ impl Default for ServerConfig {
 pub struct StoreConfig {
     pub url: String,
     pub dedupe_ttl_secs: u64,
+    /// How long a payment's status outlives its last transition; at least `dedupe_ttl_secs`,
+    /// so a refund after the dedupe claims are gone still finds the payment.
+    pub payment_retention_secs: u64,
+    /// How often expired claims, seals, payment states and finished messages are deleted.
+    pub sweep_interval_secs: u64,
     pub require_durable: bool,
     /// Timeout of every store round trip; past it the request gets a 503, never a hang.
     pub timeout_ms: u64,
@@ -91,6 +98,8 @@ impl Default for StoreConfig {
         StoreConfig {
             url: "sqlite://data/callbackd.db".into(),
             dedupe_ttl_secs: 2_592_000,
+            payment_retention_secs: crate::store::DEFAULT_PAYMENT_RETENTION_SECS,
+            sweep_interval_secs: 30,
             require_durable: false,
             timeout_ms: 5_000,
         }
@@ -274,6 +283,22 @@ impl Config {
         }
         if self.store.dedupe_ttl_secs == 0 {
             return Err(invalid("store.dedupe_ttl_secs", "must be greater than 0"));
+        }
+        if self.store.payment_retention_secs < self.store.dedupe_ttl_secs {
+            return Err(invalid(
+                "store.payment_retention_secs",
+                format!(
+                    "must be at least store.dedupe_ttl_secs ({} s): a payment's state must \
+                     outlive the dedupe claims of its notifications",
+                    self.store.dedupe_ttl_secs
+                ),
+            ));
+        }
+        if !(1..=MAX_SWEEP_INTERVAL_SECS).contains(&self.store.sweep_interval_secs) {
+            return Err(invalid(
+                "store.sweep_interval_secs",
+                format!("must be 1 to {MAX_SWEEP_INTERVAL_SECS} seconds"),
+            ));
         }
         let d = &self.dispatch;
         for (key, value) in [

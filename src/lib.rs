@@ -52,12 +52,23 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
         StoreLocation::Sqlite(path) => {
             let options = SqliteOptions {
                 timeout,
+                payment_retention_secs: config.store.payment_retention_secs,
                 ..SqliteOptions::default()
             };
             Ok(Arc::new(SqliteStore::open_with(&path, retention, options)?))
         }
         StoreLocation::Redis(url) => {
-            let store = RedisStore::connect(&url, timeout, retention).await?;
+            let store = RedisStore::connect(&url, timeout, retention)
+                .await?
+                .with_payment_retention_secs(config.store.payment_retention_secs);
+            let from = store.upgrade(clock::SystemClock.now_ms()).await?;
+            if from < store::redis::SCHEMA_VERSION {
+                tracing::info!(
+                    from,
+                    to = store::redis::SCHEMA_VERSION,
+                    "upgraded the Redis layout"
+                );
+            }
             match store.persistence().await? {
                 Persistence::AppendOnly => {}
                 Persistence::Off if config.store.require_durable => {
@@ -94,6 +105,12 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), StartError> {
     let grace = Duration::from_secs(app.config.server.shutdown_grace_secs);
+    let sweeper = tokio::spawn(store::sweeper::run(
+        app.store.clone(),
+        app.clock.clone(),
+        Duration::from_secs(app.config.store.sweep_interval_secs),
+        shutdown.clone(),
+    ));
     let dispatcher = if app.config.dispatch.enabled {
         let d = Dispatcher::new(
             &app.config,
@@ -120,6 +137,7 @@ pub async fn serve(
     if let Some(task) = dispatcher {
         let _ = task.await;
     }
+    let _ = sweeper.await;
     Ok(())
 }
 

@@ -176,7 +176,7 @@ async fn state_machine_over_http() {
         server
             .app
             .store
-            .payment_status("p1")
+            .payment_status("p1", server.app.clock.now_ms())
             .await
             .unwrap()
             .as_deref(),
@@ -292,7 +292,12 @@ async fn ssrf_targets_are_refused_at_handoff() {
         );
     }
     assert_eq!(
-        server.app.store.payment_status("p-ssrf").await.unwrap(),
+        server
+            .app
+            .store
+            .payment_status("p-ssrf", server.app.clock.now_ms())
+            .await
+            .unwrap(),
         None
     );
 }

@@ -19,7 +19,7 @@ use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Attempt, Claim, Claimed, Completion, ListFilter, MessageId,
     MessageKind, MessageRecord, MessageState, Millis, NewMessage, OperationReservation,
-    PaymentTransition, QueueDepth, ResendEffect, Store, StoreError,
+    PaymentTransition, QueueDepth, ResendEffect, SignatureSeal, Store, StoreError,
 };
 use redis_support::RedisServer;
 
@@ -35,6 +35,7 @@ enum Backend {
     /// Kept only so the directory outlives the store.
     Sqlite {
         _dir: tempfile::TempDir,
+        path: std::path::PathBuf,
     },
 }
 
@@ -50,7 +51,9 @@ impl Harness {
         let server = RedisServer::start();
         let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
             .await
-            .expect("connect to the private redis-server");
+            .expect("connect to the private redis-server")
+            .with_caller_clock_leases();
+        store.upgrade(T0).await.expect("stamp the layout version");
         Harness {
             store: Box::new(store),
             backend: Backend::Redis(server),
@@ -59,12 +62,43 @@ impl Harness {
 
     async fn sqlite() -> Harness {
         let dir = tempfile::tempdir().expect("temp dir");
-        let store = SqliteStore::open(&dir.path().join("cb.db"), RETENTION_SECS)
-            .expect("open a fresh SQLite store");
+        let path = dir.path().join("cb.db");
+        let store = SqliteStore::open(&path, RETENTION_SECS).expect("open a fresh SQLite store");
         Harness {
             store: Box::new(store),
-            backend: Backend::Sqlite { _dir: dir },
+            backend: Backend::Sqlite { _dir: dir, path },
         }
+    }
+
+    /// Keys (Redis) or rows (SQLite) the store holds: what retention must bring back down.
+    fn footprint(&self) -> u64 {
+        match &self.backend {
+            Backend::Redis(server) => server.cli(&["DBSIZE"]).parse().expect("DBSIZE"),
+            Backend::Sqlite { path, .. } => {
+                let conn = rusqlite::Connection::open(path).expect("open for counting");
+                [
+                    "claims", "payments", "messages", "queue", "attempts", "seals",
+                ]
+                .iter()
+                .map(|t| {
+                    conn.query_row(&format!("SELECT count(*) FROM {t}"), [], |r| {
+                        r.get::<_, i64>(0)
+                    })
+                    .expect("count rows") as u64
+                })
+                .sum()
+            }
+        }
+    }
+
+    /// Sweeps at `now` until nothing more is due.
+    async fn sweep_all(&self, now: Millis) {
+        for _ in 0..1000 {
+            if self.s().sweep(now).await.expect("sweep") == 0 {
+                return;
+            }
+        }
+        panic!("sweep never finished");
     }
 
     fn s(&self) -> &dyn Store {
@@ -121,6 +155,12 @@ contract!(
     depth_counts_pending_in_flight_and_dead,
     operations_are_reserved_then_finished,
     get_of_an_unknown_id_is_none,
+    payment_state_outlives_its_dedupe_claims_then_ends_with_its_own_retention,
+    an_expired_claim_is_a_new_event,
+    a_signature_is_single_use_while_it_could_verify,
+    history_keeps_the_first_and_the_latest_rows_and_counts_every_row,
+    list_pages_carry_counts_but_no_histories,
+    everything_of_a_finished_message_is_swept_after_the_retention,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -165,6 +205,7 @@ fn request(claim_key: &str, message: NewMessage) -> AcceptRequest {
         },
         message,
         payment: None,
+        seal: None,
     }
 }
 
@@ -338,7 +379,11 @@ async fn a_different_fingerprint_is_a_conflict(h: &Harness) {
 
 async fn payment_status_is_compare_and_set(h: &Harness) {
     let s = h.s();
-    assert_eq!(s.payment_status("p1").await.unwrap(), None, "never seen");
+    assert_eq!(
+        s.payment_status("p1", T0).await.unwrap(),
+        None,
+        "never seen"
+    );
 
     let approve = notification("p1", "approved", &["undefined"], T0);
     assert_eq!(
@@ -346,7 +391,7 @@ async fn payment_status_is_compare_and_set(h: &Harness) {
         AcceptOutcome::Accepted
     );
     assert_eq!(
-        s.payment_status("p1").await.unwrap().as_deref(),
+        s.payment_status("p1", T0).await.unwrap().as_deref(),
         Some("approved")
     );
 
@@ -383,10 +428,10 @@ async fn payment_status_is_compare_and_set(h: &Harness) {
         AcceptOutcome::Accepted
     );
     assert_eq!(
-        s.payment_status("p1").await.unwrap().as_deref(),
+        s.payment_status("p1", T0).await.unwrap().as_deref(),
         Some("refunded")
     );
-    assert_eq!(s.payment_status("p2").await.unwrap(), None);
+    assert_eq!(s.payment_status("p2", T0).await.unwrap(), None);
 }
 
 async fn racing_transitions_of_one_payment_have_one_winner(h: &Harness) {
@@ -410,7 +455,7 @@ async fn racing_transitions_of_one_payment_have_one_winner(h: &Harness) {
             other => panic!("exactly one transition must win, got {other:?}"),
         };
         assert_eq!(
-            s.payment_status(&payment_id).await.unwrap().as_deref(),
+            s.payment_status(&payment_id, T0).await.unwrap().as_deref(),
             Some(winner)
         );
         let key = payment::ordering_key(&payment_id);
@@ -1242,6 +1287,234 @@ async fn get_of_an_unknown_id_is_none(h: &Harness) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Month two: lifetimes, seals, bounded history, sweeping
+
+const PAYMENT_RETENTION_MS: Millis = 400 * DAY_MS;
+
+async fn payment_state_outlives_its_dedupe_claims_then_ends_with_its_own_retention(h: &Harness) {
+    let s = h.s();
+    let step = |to: &str, from: &[&str], at: Millis| notification("p1", to, from, at);
+    assert_eq!(
+        s.accept(step("approved", &["undefined"], T0), T0)
+            .await
+            .unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let day1 = T0 + DAY_MS;
+    assert_eq!(
+        s.accept(step("settled", &["approved"], day1), day1)
+            .await
+            .unwrap(),
+        AcceptOutcome::Accepted
+    );
+    // Day 60: every dedupe claim of the payment is gone (30-day TTL), its state is not.
+    let day60 = T0 + 60 * DAY_MS;
+    h.sweep_all(day60).await;
+    assert_eq!(
+        s.payment_status("p1", day60).await.unwrap().as_deref(),
+        Some("settled")
+    );
+    assert_eq!(
+        s.accept(step("refunded", &["settled"], day60), day60)
+            .await
+            .unwrap(),
+        AcceptOutcome::Accepted,
+        "a refund on day 60 finds the payment settled"
+    );
+    let day61 = T0 + 61 * DAY_MS;
+    assert_eq!(
+        s.accept(step("approved", &["undefined"], day61), day61)
+            .await
+            .unwrap(),
+        AcceptOutcome::InvalidTransition {
+            from: "refunded".into()
+        },
+        "a refunded payment is never approved again"
+    );
+    // The retention counts from the last transition (day 60), not from the first.
+    let before_end = day60 + PAYMENT_RETENTION_MS - 1;
+    assert_eq!(
+        s.payment_status("p1", before_end).await.unwrap().as_deref(),
+        Some("refunded")
+    );
+    let after_end = day60 + PAYMENT_RETENTION_MS;
+    assert_eq!(s.payment_status("p1", after_end).await.unwrap(), None);
+    h.sweep_all(after_end).await;
+    assert_eq!(
+        s.accept(step("approved", &["undefined"], after_end), after_end)
+            .await
+            .unwrap(),
+        AcceptOutcome::Accepted,
+        "past its retention the payment is unknown"
+    );
+}
+
+async fn an_expired_claim_is_a_new_event(h: &Harness) {
+    let s = h.s();
+    let first = request("k", new_message("pay/1", T0));
+    assert_eq!(
+        s.accept(first.clone(), T0).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let end = T0 + TTL_SECS as Millis * 1000;
+    let before = request("k", new_message("pay/1", end - 1));
+    assert_eq!(
+        s.accept(before, end - 1).await.unwrap(),
+        AcceptOutcome::Replayed {
+            response: first.claim.response.clone()
+        }
+    );
+    let after = request("k", new_message("pay/1", end));
+    assert_eq!(s.accept(after, end).await.unwrap(), AcceptOutcome::Accepted);
+}
+
+fn sealed(claim_key: &str, seal: &str, expires_at: Millis, now: Millis) -> AcceptRequest {
+    AcceptRequest {
+        seal: Some(SignatureSeal {
+            key: seal.to_string(),
+            expires_at,
+        }),
+        ..request(claim_key, inbound("payzu", "tx-1", now))
+    }
+}
+
+async fn a_signature_is_single_use_while_it_could_verify(h: &Harness) {
+    let s = h.s();
+    let valid_until = T0 + 600_000;
+    let first = sealed("tx-1/COMPLETED", "sig-1", valid_until, T0);
+    assert_eq!(
+        s.accept(first.clone(), T0).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    // The same signature with another unsigned event header: another dedupe key, yet the
+    // first answer, and nothing new recorded.
+    let reposted = sealed("tx-1/REFUNDED", "sig-1", valid_until, T0 + 1_000);
+    let reposted_id = reposted.message.id.clone();
+    assert_eq!(
+        s.accept(reposted, T0 + 1_000).await.unwrap(),
+        AcceptOutcome::Replayed {
+            response: first.claim.response.clone()
+        }
+    );
+    assert_eq!(s.get(&reposted_id).await.unwrap(), None);
+    // A provider retry of the same event with a fresh signature is a replay, and seals that
+    // signature to the same answer.
+    let retry = sealed("tx-1/COMPLETED", "sig-2", valid_until, T0 + 2_000);
+    assert_eq!(
+        s.accept(retry, T0 + 2_000).await.unwrap(),
+        AcceptOutcome::Replayed {
+            response: first.claim.response.clone()
+        }
+    );
+    let again = sealed("tx-1/REFUNDED", "sig-2", valid_until, T0 + 3_000);
+    assert_eq!(
+        s.accept(again, T0 + 3_000).await.unwrap(),
+        AcceptOutcome::Replayed {
+            response: first.claim.response.clone()
+        }
+    );
+    // Once the signature could no longer verify, the seal is gone: a new signature on the
+    // other event is that event.
+    let later = sealed("tx-1/REFUNDED", "sig-3", valid_until + 600_000, valid_until);
+    assert_eq!(
+        s.accept(later, valid_until).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+}
+
+async fn history_keeps_the_first_and_the_latest_rows_and_counts_every_row(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/hostile", T0).await;
+    let mut now = T0;
+    for n in 1..=150u32 {
+        let c = claim_one(s, now, &id).await;
+        let row = delivery(n, now, 503);
+        assert!(
+            s.complete(&c, row, Completion::Retry { next_at: now + 1 }, now)
+                .await
+                .unwrap()
+        );
+        now += 1;
+    }
+    s.resend(&id, resend_mark(now), now + DAY_MS, now)
+        .await
+        .unwrap();
+    let record = get(s, &id).await;
+    assert_eq!(record.history_total, 151);
+    assert_eq!(record.delivery_attempts, 150);
+    assert_eq!(record.history.len(), 1 + callbackd::store::HISTORY_TAIL);
+    assert_eq!(record.history[0].attempt, 1, "the first attempt is kept");
+    let tail: Vec<u32> = record.history[1..].iter().map(|a| a.attempt).collect();
+    let want: Vec<u32> = (52..=150).chain([0]).collect();
+    assert_eq!(tail, want, "then the latest 100 rows, in order");
+}
+
+async fn list_pages_carry_counts_but_no_histories(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/1", T0).await;
+    let c = claim_one(s, T0, &id).await;
+    complete(s, &c, Completion::Retry { next_at: T0 + 10 }, T0).await;
+    let listed = list_all(
+        s,
+        ListFilter {
+            limit: 10,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].history.is_empty(), "a list page loads no history");
+    assert_eq!(listed[0].history_total, 1);
+    assert_eq!(listed[0].delivery_attempts, 1);
+    assert_eq!(get(s, &id).await.history.len(), 1, "the detail view does");
+}
+
+async fn everything_of_a_finished_message_is_swept_after_the_retention(h: &Harness) {
+    let s = h.s();
+    let baseline = h.footprint();
+    let delivered = accept_new(s, "pay/a", T0).await;
+    let dead = accept_new(s, "pay/b", T0).await;
+    let mut recorded = inbound("quiet", "tx-9", T0);
+    recorded.target_url = None;
+    let recorded = accept(s, recorded, T0).await;
+    let sealed_req = sealed("tx-1/COMPLETED", "sig", T0 + 600_000, T0);
+    let sealed_id = sealed_req.message.id.clone();
+    s.accept(sealed_req, T0).await.unwrap();
+    for c in &claim_exactly(s, T0, &[&delivered, &dead, &sealed_id]).await {
+        let outcome = if c.message.id == delivered {
+            Completion::Delivered
+        } else {
+            Completion::Dead
+        };
+        complete(s, c, outcome, T0).await;
+    }
+    assert!(h.footprint() > baseline);
+    // Nothing goes early: one millisecond before the retention ends, every message is there.
+    let end = T0 + RETENTION_SECS as Millis * 1000;
+    h.sweep_all(end - 1).await;
+    for id in [&delivered, &dead, &recorded, &sealed_id] {
+        assert!(
+            s.get(id).await.unwrap().is_some(),
+            "{id} kept until its end"
+        );
+    }
+    h.sweep_all(end).await;
+    for id in [&delivered, &dead, &recorded, &sealed_id] {
+        assert_eq!(s.get(id).await.unwrap(), None, "{id} swept");
+    }
+    assert_eq!(h.footprint(), baseline, "no key or row left behind");
+    let everything = list_all(
+        s,
+        ListFilter {
+            limit: 50,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(everything.is_empty(), "no index entry left behind");
+}
+
+// ---------------------------------------------------------------------------------------
 // Backend-specific
 
 mod redis_only {
@@ -1311,31 +1584,6 @@ mod sqlite_only {
             s.get(&first.message.id).await.unwrap().is_some(),
             "only the claim expired"
         );
-    }
-
-    #[tokio::test]
-    async fn payment_status_expires_with_its_claim_like_on_redis() {
-        let (_dir, path) = fresh();
-        let s = SqliteStore::open(&path, RETENTION_SECS).unwrap();
-        let mut approve = notification("p1", "approved", &["undefined"], T0);
-        approve.claim.ttl_secs = 60;
-        assert_eq!(
-            s.accept(approve, T0).await.unwrap(),
-            AcceptOutcome::Accepted
-        );
-        assert_eq!(
-            s.payment_status("p1").await.unwrap().as_deref(),
-            Some("approved")
-        );
-        let later = T0 + 61_000;
-        let settle = notification("p1", "settled", &["approved"], later);
-        assert_eq!(
-            s.accept(settle, later).await.unwrap(),
-            AcceptOutcome::InvalidTransition {
-                from: "undefined".into()
-            }
-        );
-        assert_eq!(s.payment_status("p1").await.unwrap(), None);
     }
 
     #[tokio::test]

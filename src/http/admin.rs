@@ -60,9 +60,13 @@ pub struct MessageView {
     pub deadline: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_attempt_at: Option<String>,
-    pub attempt_count: usize,
-    /// Delivery attempts and resend marks, oldest first (`at` in ms since the epoch).
+    /// Delivery attempts made.
+    pub attempt_count: u32,
+    /// Delivery attempts and resend marks, oldest first (`at` in ms since the epoch): the
+    /// first row and the latest 100. Only on the detail view.
     pub attempts: Vec<Attempt>,
+    /// History rows ever recorded, including those no longer kept in `attempts`.
+    pub history_total: u64,
     #[schema(value_type = Object)]
     pub body: Value,
 }
@@ -70,11 +74,6 @@ pub struct MessageView {
 impl MessageView {
     fn from_record(record: MessageRecord, with_attempts: bool) -> MessageView {
         let m = record.message;
-        let attempt_count = record
-            .history
-            .iter()
-            .filter(|a| a.kind == "delivery")
-            .count();
         MessageView {
             id: m.id.to_string(),
             kind: m.kind,
@@ -93,7 +92,8 @@ impl MessageView {
             created_at: format_iso(m.created_at),
             deadline: format_iso(record.deadline),
             next_attempt_at: record.next_attempt_at.map(format_iso),
-            attempt_count,
+            attempt_count: record.delivery_attempts,
+            history_total: record.history_total,
             attempts: if with_attempts {
                 record.history
             } else {

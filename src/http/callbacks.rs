@@ -15,11 +15,15 @@ use utoipa::ToSchema;
 
 use super::{path_segment, raw_json, read_body};
 use crate::app::App;
+use crate::digest::short_hash;
 use crate::dispatch::delivery::EVENT_HEADER;
 use crate::error::{ApiError, ErrorBody};
 use crate::inbound::dedupe;
+use crate::inbound::signature::Verified;
 use crate::metrics as m;
-use crate::store::{AcceptOutcome, AcceptRequest, Claim, MessageId, MessageKind, NewMessage};
+use crate::store::{
+    AcceptOutcome, AcceptRequest, Claim, MessageId, MessageKind, Millis, NewMessage, SignatureSeal,
+};
 
 /// Longest accepted `X-Callback-Event`: event names are short constants.
 const MAX_EVENT_LEN: usize = 128;
@@ -94,9 +98,9 @@ async fn accept(
         .get(source_name)
         .ok_or_else(|| ApiError::UnknownSource(source_name.to_string()))?;
     let bytes = read_body(app, body, headers).await?;
-    source
+    let verified = source
         .verifier
-        .verify(headers, &bytes, app.clock.now_secs())
+        .verify_signature(headers, &bytes, app.clock.now_secs())
         .map_err(|e| ApiError::BadSignature(e.to_string()))?;
     let json: Value = serde_json::from_slice(&bytes).map_err(|e| {
         ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}"))
@@ -134,6 +138,7 @@ async fn accept(
             fingerprint: String::new(),
             response: response.clone(),
         },
+        seal: verified.map(|v| seal(&source.name, &v, now, app.config.store.dedupe_ttl_secs)),
         message,
         payment: None,
     };
@@ -148,6 +153,21 @@ async fn accept(
                 "inbound claim answered like a notification".into(),
             )))
         }
+    }
+}
+
+/// Makes a verified signature single-use for as long as it could verify again. A scheme with
+/// a timestamp stops verifying after its tolerance; `hmac-sha256` never does, so its
+/// signatures are remembered as long as dedupe claims.
+fn seal(source: &str, verified: &Verified, now: Millis, dedupe_ttl_secs: u64) -> SignatureSeal {
+    let expires_at = match verified.valid_until_secs {
+        Some(secs) => secs.saturating_add(1).saturating_mul(1000).max(now + 1),
+        None => now.saturating_add(i64::try_from(dedupe_ttl_secs).unwrap_or(i64::MAX) * 1000),
+    };
+    let scoped = serde_json::json!([source, hex::encode(&verified.signature)]);
+    SignatureSeal {
+        key: short_hash(scoped.to_string().as_bytes()),
+        expires_at,
     }
 }
 

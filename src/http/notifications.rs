@@ -179,6 +179,7 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
             response: response.clone(),
         },
         message,
+        seal: None,
         payment: Some(PaymentTransition {
             payment_id: req.payment_id.clone(),
             to: to.to_string(),

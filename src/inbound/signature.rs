@@ -96,14 +96,26 @@ impl Verifier {
         })
     }
 
+    /// Whether the request is signed correctly.
     pub fn verify(
         &self,
         headers: &HeaderMap,
         body: &[u8],
         now_secs: i64,
     ) -> Result<(), SignatureError> {
+        self.verify_signature(headers, body, now_secs).map(|_| ())
+    }
+
+    /// Verifies the request and returns the signature that matched, with how long it could
+    /// be accepted again (`None` for `none`, which has no signature).
+    pub fn verify_signature(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+        now_secs: i64,
+    ) -> Result<Option<Verified>, SignatureError> {
         match self {
-            Verifier::None => Ok(()),
+            Verifier::None => Ok(None),
             Verifier::Payzu {
                 secrets,
                 tolerance_secs,
@@ -117,7 +129,11 @@ impl Verifier {
                     .iter()
                     .filter_map(|hex_sig| hex::decode(hex_sig).ok())
                     .collect::<Vec<_>>();
-                any_matches(secrets, &signatures, &[prefix.as_bytes(), body])
+                let signature = any_matches(secrets, &signatures, &[prefix.as_bytes(), body])?;
+                Ok(Some(Verified {
+                    signature,
+                    valid_until_secs: Some(parsed.timestamp.saturating_add(*tolerance_secs)),
+                }))
             }
             Verifier::StandardWebhooks {
                 secrets,
@@ -138,7 +154,11 @@ impl Verifier {
                 let signatures =
                     parse_standard_signatures(header_str(headers, WEBHOOK_SIGNATURE)?)?;
                 let suffix = format!(".{timestamp}.");
-                any_matches(secrets, &signatures, &[id, suffix.as_bytes(), body])
+                let signature = any_matches(secrets, &signatures, &[id, suffix.as_bytes(), body])?;
+                Ok(Some(Verified {
+                    signature,
+                    valid_until_secs: Some(timestamp.saturating_add(*tolerance_secs)),
+                }))
             }
             Verifier::HmacSha256 { secrets, header } => {
                 let value = header_str(headers, header.as_str())?.trim();
@@ -147,10 +167,24 @@ impl Verifier {
                     header: header.to_string(),
                     reason: "not hex".into(),
                 })?;
-                any_matches(secrets, &[signature], &[body])
+                let signature = any_matches(secrets, &[signature], &[body])?;
+                Ok(Some(Verified {
+                    signature,
+                    valid_until_secs: None,
+                }))
             }
         }
     }
+}
+
+/// A signature that verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    /// The signature bytes that matched: an HMAC, so equal only for the same signed content.
+    pub signature: Vec<u8>,
+    /// The last second its timestamp is inside the tolerance; `None` for a scheme without a
+    /// timestamp (`hmac-sha256`), whose signature never stops verifying.
+    pub valid_until_secs: Option<i64>,
 }
 
 /// The single value of a signature header. A header sent twice is refused: which copy a
@@ -188,13 +222,13 @@ fn check_tolerance(timestamp: i64, now_secs: i64, tolerance: i64) -> Result<(), 
     Ok(())
 }
 
-/// True when any secret signs `parts` to any of `signatures`. `verify_slice` compares in
+/// The first of `signatures` that some secret signs `parts` to. `verify_slice` compares in
 /// constant time; every secret is tried so rotation works in both directions.
 fn any_matches(
     secrets: &[Vec<u8>],
     signatures: &[Vec<u8>],
     parts: &[&[u8]],
-) -> Result<(), SignatureError> {
+) -> Result<Vec<u8>, SignatureError> {
     for secret in secrets {
         let Ok(mut mac) = HmacSha256::new_from_slice(secret) else {
             continue;
@@ -204,7 +238,7 @@ fn any_matches(
         }
         for signature in signatures {
             if mac.clone().verify_slice(signature).is_ok() {
-                return Ok(());
+                return Ok(signature.clone());
             }
         }
     }

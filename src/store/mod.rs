@@ -12,7 +12,9 @@
 
 pub mod ids;
 pub mod redis;
+mod redis_upgrade;
 pub mod sqlite;
+pub mod sweeper;
 
 use std::collections::BTreeMap;
 
@@ -24,6 +26,18 @@ pub use ids::MessageId;
 
 /// Milliseconds since the Unix epoch.
 pub type Millis = i64;
+
+/// How long a payment's status outlives its last transition when the config says nothing:
+/// 400 days, past any refund or chargeback window, so a refund on day 31 still finds the
+/// payment `settled` after its dedupe claims are long gone.
+pub const DEFAULT_PAYMENT_RETENTION_SECS: u64 = 400 * 86_400;
+
+/// The first history row and this many of the latest are kept per message; the rest are
+/// dropped (and counted), so a receiver that fails forever cannot grow a message without bound.
+pub const HISTORY_TAIL: usize = 100;
+
+/// Expired keys or rows removed per partition and sweep call: a sweep never stalls writers.
+pub const SWEEP_LIMIT: usize = 1000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -142,11 +156,24 @@ pub struct PaymentTransition {
     pub allowed_from: Vec<String>,
 }
 
+/// A verified provider signature, single-use while its timestamp is inside the tolerance
+/// window: the same signature again gets the first answer, whatever its unsigned headers say
+/// (a captured request re-posted with another `X-Callback-Event` is not a new event).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignatureSeal {
+    /// Hash of the source and the signature bytes; in the partition of the message.
+    pub key: String,
+    /// Until when the signature could still be accepted, so until when it is remembered.
+    pub expires_at: Millis,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct AcceptRequest {
     pub claim: Claim,
     pub message: NewMessage,
     pub payment: Option<PaymentTransition>,
+    /// Inbound callbacks of a signed source; `None` for notifications and unsigned sources.
+    pub seal: Option<SignatureSeal>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -212,7 +239,13 @@ pub struct MessageRecord {
     pub deadline: Millis,
     /// Next attempt time while the message is due (head of its ordering queue).
     pub next_attempt_at: Option<Millis>,
+    /// The first row and the latest [`HISTORY_TAIL`] rows; empty on list pages, which never
+    /// load histories.
     pub history: Vec<Attempt>,
+    /// Rows ever recorded, kept or dropped.
+    pub history_total: u64,
+    /// Delivery attempts made so far.
+    pub delivery_attempts: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -322,9 +355,20 @@ pub trait Store: Send + Sync + 'static {
         ttl_secs: u64,
     ) -> Result<(), StoreError>;
 
-    async fn payment_status(&self, payment_id: &str) -> Result<Option<String>, StoreError>;
+    /// The payment's status at `now`, `None` when never seen or past its retention.
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError>;
 
     async fn depth(&self) -> Result<QueueDepth, StoreError>;
+
+    /// Deletes up to [`SWEEP_LIMIT`] expired keys or rows per partition: messages finished
+    /// more than the retention ago (with their history and index entries), dedupe claims,
+    /// signature seals and payment states past their lifetimes. Returns how many went; the
+    /// sweeper calls again at once while a call was full.
+    async fn sweep(&self, now: Millis) -> Result<usize, StoreError>;
 
     /// Readiness: the store answers.
     async fn ping(&self) -> Result<(), StoreError>;

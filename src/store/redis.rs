@@ -5,14 +5,21 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `d:<hash>` | string | dedupe claim: fingerprint `\n` stored response, 30-day TTL |
-//! | `m:<id>` | hash | message record and mutable state (state, tries, lease token, deadline) |
-//! | `a:<id>` | list | attempt history (JSON rows) |
+//! | `d:<hash>` | string | dedupe claim: fingerprint `\n` stored response, `dedupe_ttl_secs` |
+//! | `s:<hash>` | string | signature seal: the first answer to a signature, while it is valid |
+//! | `m:<id>` | hash | message record and mutable state (state, tries, lease token, deadline, `kh` = hash of its ordering key, `hn` = history rows ever) |
+//! | `a:<id>` | list | attempt history (JSON rows): the first and the latest 100 |
 //! | `q:<hash>` | list | ids of one ordering key not yet finished; only the head is due |
 //! | `due` | zset | due heads scored by next attempt time |
 //! | `lease` | zset | in-flight ids scored by lease expiry |
 //! | `ix`, `ix:<state>`, `ix:k:<hash>` | zset (lex) | ids for listing: all, by state, by key |
-//! | `pay:<hash>` | string | payment status for the compare-and-set |
+//! | `pay:<hash>` | string | payment status for the compare-and-set, `payment_retention_secs` |
+//! | `x` | zset | expiry index: `d:`, `s:`, `pay:` and finished `m:` members scored by when they end |
+//!
+//! Lifetimes follow the caller's clock, like everything else: a key whose expiry-index score
+//! is past `now` counts as gone, and [`Store::sweep`] deletes it (a finished message with its
+//! history and index entries). Redis TTLs on the string keys bound memory even without a
+//! sweeper. The schema version is `cb:schema`; [`RedisStore::connect`] upgrades older layouts.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,10 +30,12 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script, Value};
 
 use super::ids::{PARTITIONS, partition_of};
+use super::redis_upgrade;
 use super::{
-    AcceptOutcome, AcceptRequest, Attempt, Claimed, Completion, ListFilter, MessageId,
-    MessageRecord, MessageState, Millis, NewMessage, OperationReservation, Page, QueueDepth,
-    ResendEffect, Store, StoreError, matches_filter,
+    AcceptOutcome, AcceptRequest, Attempt, Claimed, Completion, DEFAULT_PAYMENT_RETENTION_SECS,
+    HISTORY_TAIL, ListFilter, MessageId, MessageRecord, MessageState, Millis, NewMessage,
+    OperationReservation, Page, QueueDepth, ResendEffect, SWEEP_LIMIT, Store, StoreError,
+    matches_filter,
 };
 use crate::digest::short_hash;
 
@@ -45,6 +54,7 @@ struct Scripts {
     complete: Script,
     release: Script,
     resend: Script,
+    sweep: Script,
 }
 
 impl Scripts {
@@ -52,18 +62,34 @@ impl Scripts {
         Scripts {
             accept: Script::new(include_str!("lua/accept.lua")),
             claim: Script::new(include_str!("lua/claim.lua")),
-            complete: Script::new(include_str!("lua/complete.lua")),
+            complete: Script::new(concat!(
+                include_str!("lua/history.lua"),
+                include_str!("lua/complete.lua")
+            )),
             release: Script::new(include_str!("lua/release.lua")),
-            resend: Script::new(include_str!("lua/resend.lua")),
+            resend: Script::new(concat!(
+                include_str!("lua/history.lua"),
+                include_str!("lua/resend.lua")
+            )),
+            sweep: Script::new(include_str!("lua/sweep.lua")),
         }
     }
 }
+
+/// The layout this binary writes. 1: the first release (TTLs only, global trims);
+/// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history.
+pub const SCHEMA_VERSION: u32 = 2;
+const SCHEMA_KEY: &str = "cb:schema";
 
 pub struct RedisStore {
     conn: ConnectionManager,
     scripts: Scripts,
     /// How long finished messages, their history and dedupe claims are kept.
     retention_secs: u64,
+    /// How long a payment's status outlives its last transition.
+    payment_retention_secs: u64,
+    /// Leases timed by Redis' clock (`TIME`) rather than the caller's.
+    store_clock_leases: bool,
     /// Partition that gets the first share of the next claim, rotated so a small `limit`
     /// does not always favour the low partitions.
     next_claim_start: AtomicUsize,
@@ -123,6 +149,12 @@ impl Keys {
     fn due(&self) -> String {
         self.key("due")
     }
+    fn expiry(&self) -> String {
+        self.key("x")
+    }
+    fn seal(&self, seal_key: &str) -> String {
+        self.key(&format!("s:{seal_key}"))
+    }
     fn lease(&self) -> String {
         self.key("lease")
     }
@@ -157,8 +189,53 @@ impl RedisStore {
             conn,
             scripts: Scripts::new(),
             retention_secs,
+            payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
+            store_clock_leases: true,
             next_claim_start: AtomicUsize::new(0),
         })
+    }
+
+    /// How long a payment's status outlives its last transition (at least the retention).
+    pub fn with_payment_retention_secs(mut self, secs: u64) -> RedisStore {
+        self.payment_retention_secs = secs.max(self.retention_secs);
+        self
+    }
+
+    /// Times leases by the caller's `now` instead of Redis' clock. Only for tests that move a
+    /// virtual clock past a lease; in production every worker must judge leases by one clock.
+    pub fn with_caller_clock_leases(mut self) -> RedisStore {
+        self.store_clock_leases = false;
+        self
+    }
+
+    /// Brings the store to [`SCHEMA_VERSION`] and returns the version it found. A new store
+    /// is stamped; a version-1 store (no version key, but data) is upgraded in place; a
+    /// store newer than this binary is refused.
+    pub async fn upgrade(&self, now: Millis) -> Result<u32, StoreError> {
+        let mut conn = self.conn.clone();
+        let found: Option<u32> = conn.get(SCHEMA_KEY).await.map_err(unavailable)?;
+        let found = match found {
+            Some(v) => v,
+            None if redis_upgrade::has_data(&mut conn).await? => 1,
+            None => SCHEMA_VERSION,
+        };
+        if found > SCHEMA_VERSION {
+            return Err(StoreError::Unavailable(format!(
+                "the Redis store has layout version {found} ({SCHEMA_KEY}), newer than this \
+                 callbackd understands ({SCHEMA_VERSION}); run a newer callbackd"
+            )));
+        }
+        if found < 2 {
+            let lifetimes = redis_upgrade::Lifetimes {
+                retention_secs: self.retention_secs,
+                payment_retention_secs: self.payment_retention_secs,
+            };
+            redis_upgrade::v1_to_v2(&mut conn, now, lifetimes).await?;
+        }
+        conn.set::<_, _, ()>(SCHEMA_KEY, SCHEMA_VERSION)
+            .await
+            .map_err(unavailable)?;
+        Ok(found)
     }
 
     /// `CONFIG GET appendonly`. Managed Redis often disables CONFIG; that is not an error.
@@ -187,20 +264,25 @@ impl RedisStore {
         }
     }
 
-    fn oldest_kept(&self, now: Millis) -> String {
-        MessageId::lower_bound(now - self.retention_secs as i64 * 1000).to_string()
-    }
-
-    async fn load_records(&self, ids: &[MessageId]) -> Result<Vec<MessageRecord>, StoreError> {
+    /// Loads records; histories only when asked (a list page never loads them).
+    async fn load_records(
+        &self,
+        ids: &[MessageId],
+        with_history: bool,
+    ) -> Result<Vec<MessageRecord>, StoreError> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
         let mut pipe = redis::pipe();
         for id in ids {
             let keys = Keys::of_id(id);
-            pipe.hgetall(keys.message(id))
-                .lrange(keys.attempts(id), 0, -1)
-                .zscore(keys.due(), id.as_str());
+            pipe.hgetall(keys.message(id));
+            if with_history {
+                pipe.lrange(keys.attempts(id), 0, -1);
+            } else {
+                pipe.cmd("PING");
+            }
+            pipe.zscore(keys.due(), id.as_str());
         }
         let mut conn = self.conn.clone();
         let replies: Vec<Value> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
@@ -219,11 +301,18 @@ impl RedisStore {
                 .get("state")
                 .and_then(|s| MessageState::parse(s))
                 .ok_or_else(|| corrupt(format!("message {} has no valid state", message.id)))?;
-            let history: Vec<String> = redis::from_redis_value_ref(history).map_err(corrupt)?;
-            let history = history
-                .iter()
-                .map(|row| serde_json::from_str::<Attempt>(row).map_err(corrupt))
-                .collect::<Result<Vec<_>, _>>()?;
+            let history = if with_history {
+                let rows: Vec<String> = redis::from_redis_value_ref(history).map_err(corrupt)?;
+                rows.iter()
+                    .map(|row| serde_json::from_str::<Attempt>(row).map_err(corrupt))
+                    .collect::<Result<Vec<_>, _>>()?
+            } else {
+                Vec::new()
+            };
+            let history_total = fields
+                .get("hn")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(history.len() as u64);
             let next_attempt_at: Option<f64> = redis::from_redis_value_ref(due).map_err(corrupt)?;
             let deadline = fields
                 .get("dl")
@@ -235,6 +324,11 @@ impl RedisStore {
                 deadline,
                 next_attempt_at: next_attempt_at.map(|s| s as Millis),
                 history,
+                history_total,
+                delivery_attempts: fields
+                    .get("tries")
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0),
             });
         }
         Ok(records)
@@ -291,20 +385,28 @@ impl RedisStore {
     /// How many messages each partition could hand out at `now`: due heads plus expired
     /// leases (which claim.lua makes due again first). One pipelined round trip.
     async fn claimable_per_partition(&self, now: Millis) -> Result<Vec<usize>, StoreError> {
+        let mut conn = self.conn.clone();
+        let lease_now = if self.store_clock_leases {
+            let (secs, micros): (i64, i64) = redis::cmd("TIME")
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable)?;
+            secs * 1000 + micros / 1000
+        } else {
+            now
+        };
         let mut pipe = redis::pipe();
         for p in 0..PARTITIONS {
             let keys = Keys::of_partition(p);
             pipe.zcount(keys.due(), "-inf", now)
-                .zcount(keys.lease(), "-inf", now);
+                .zcount(keys.lease(), "-inf", lease_now);
         }
-        let mut conn = self.conn.clone();
         let counts: Vec<usize> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
         Ok(counts.chunks(2).map(|c| c.iter().sum()).collect())
     }
 
     /// Runs the claim script on every partition with a non-zero quota, in a single
-    /// pipelined round trip. Scripts are not in the server's cache after a Redis restart, so
-    /// a NOSCRIPT reply loads them and retries.
+    /// pipelined round trip.
     async fn claim_partitions(
         &self,
         now: Millis,
@@ -327,17 +429,26 @@ impl RedisStore {
                 .arg(now)
                 .arg(*quota)
                 .arg(lease_ms)
-                .arg(keys.prefix());
+                .arg(keys.prefix())
+                .arg(if self.store_clock_leases { "1" } else { "0" });
         }
         let mut conn = self.conn.clone();
-        match pipe.query_async::<Vec<Value>>(&mut conn).await {
+        self.with_script_loaded(&self.scripts.claim, &mut conn, &pipe)
+            .await
+    }
+
+    /// Runs a pipeline of EVALSHAs of `script`. Scripts are not in the server's cache after a
+    /// Redis restart, so a NOSCRIPT reply loads it and runs the pipeline again.
+    async fn with_script_loaded<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        conn: &mut ConnectionManager,
+        pipe: &redis::Pipeline,
+    ) -> Result<T, StoreError> {
+        match pipe.query_async::<T>(conn).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                self.scripts
-                    .claim
-                    .load_async(&mut conn)
-                    .await
-                    .map_err(unavailable)?;
-                pipe.query_async(&mut conn).await.map_err(unavailable)
+                script.load_async(conn).await.map_err(unavailable)?;
+                pipe.query_async(conn).await.map_err(unavailable)
             }
             other => other.map_err(unavailable),
         }
@@ -400,6 +511,10 @@ impl Store for RedisStore {
             Some(p) => (p.to.clone(), p.allowed_from.join(" ")),
             None => (String::new(), String::new()),
         };
+        let (seal_key, seal_until) = match &req.seal {
+            Some(seal) => (keys.seal(&seal.key), seal.expires_at.to_string()),
+            None => (keys.seal(""), String::new()),
+        };
         let record = serde_json::to_string(msg).map_err(corrupt)?;
         let mut conn = self.conn.clone();
         let reply: Vec<String> = self
@@ -413,6 +528,8 @@ impl Store for RedisStore {
             .key(keys.index(Some(initial)))
             .key(keys.index_of_key(&msg.ordering_key))
             .key(payment_key)
+            .key(keys.expiry())
+            .key(seal_key)
             .arg(req.claim.ttl_secs)
             .arg(&req.claim.fingerprint)
             .arg(&req.claim.response)
@@ -423,7 +540,11 @@ impl Store for RedisStore {
             .arg(initial.as_str())
             .arg(to)
             .arg(allowed)
-            .arg(self.oldest_kept(now))
+            .arg(self.payment_retention_secs)
+            .arg(self.retention_secs)
+            .arg(seal_until)
+            .arg(keys.prefix())
+            .arg(short_hash(msg.ordering_key.as_bytes()))
             .invoke_async(&mut conn)
             .await
             .map_err(unavailable)?;
@@ -496,6 +617,7 @@ impl Store for RedisStore {
             .key(keys.index(Some(MessageState::InFlight)))
             .key(keys.index(Some(MessageState::Pending)))
             .key(keys.index(Some(final_state)))
+            .key(keys.expiry())
             .arg(id.as_str())
             .arg(claimed.token)
             .arg(outcome)
@@ -503,7 +625,7 @@ impl Store for RedisStore {
             .arg(next_at)
             .arg(now)
             .arg(self.retention_secs)
-            .arg(self.oldest_kept(now))
+            .arg(HISTORY_TAIL)
             .invoke_async(&mut conn)
             .await
             .map_err(unavailable)?;
@@ -532,7 +654,10 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError> {
-        Ok(self.load_records(std::slice::from_ref(id)).await?.pop())
+        Ok(self
+            .load_records(std::slice::from_ref(id), true)
+            .await?
+            .pop())
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
@@ -554,7 +679,7 @@ impl Store for RedisStore {
             // A match that does not fit on this page: the next page starts right before it,
             // even when this chunk ended the scan (else it would be silently skipped).
             let mut overflow = false;
-            for record in self.load_records(&ids).await? {
+            for record in self.load_records(&ids, false).await? {
                 if !matches_filter(&record, filter) {
                     continue;
                 }
@@ -603,10 +728,12 @@ impl Store for RedisStore {
             .key(keys.index(Some(MessageState::Pending)))
             .key(keys.index(Some(MessageState::Delivered)))
             .key(keys.index(Some(MessageState::Dead)))
+            .key(keys.expiry())
             .arg(id.as_str())
             .arg(mark)
             .arg(fresh_deadline)
             .arg(now)
+            .arg(HISTORY_TAIL)
             .invoke_async(&mut conn)
             .await
             .map_err(unavailable)?;
@@ -657,12 +784,45 @@ impl Store for RedisStore {
             .map_err(unavailable)
     }
 
-    async fn payment_status(&self, payment_id: &str) -> Result<Option<String>, StoreError> {
-        let ordering_key = crate::payment::ordering_key(payment_id);
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
+        let keys = Keys::of_ordering_key(&crate::payment::ordering_key(payment_id));
+        let key = keys.payment(payment_id);
+        let member = &key[keys.prefix().len()..];
         let mut conn = self.conn.clone();
-        conn.get(Keys::of_ordering_key(&ordering_key).payment(payment_id))
+        let (status, ends): (Option<String>, Option<f64>) = redis::pipe()
+            .get(&key)
+            .zscore(keys.expiry(), member)
+            .query_async(&mut conn)
             .await
-            .map_err(unavailable)
+            .map_err(unavailable)?;
+        Ok(status.filter(|_| ends.is_none_or(|e| e as Millis > now)))
+    }
+
+    async fn sweep(&self, now: Millis) -> Result<usize, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..PARTITIONS {
+            let keys = Keys::of_partition(p);
+            pipe.cmd("EVALSHA")
+                .arg(self.scripts.sweep.get_hash())
+                .arg(5)
+                .arg(keys.expiry())
+                .arg(keys.index(None))
+                .arg(keys.index(Some(MessageState::Delivered)))
+                .arg(keys.index(Some(MessageState::Dead)))
+                .arg(keys.index(Some(MessageState::Recorded)))
+                .arg(now)
+                .arg(SWEEP_LIMIT)
+                .arg(keys.prefix());
+        }
+        let mut conn = self.conn.clone();
+        let swept: Vec<usize> = self
+            .with_script_loaded(&self.scripts.sweep, &mut conn, &pipe)
+            .await?;
+        Ok(swept.into_iter().sum())
     }
 
     async fn depth(&self) -> Result<QueueDepth, StoreError> {

@@ -25,7 +25,8 @@
 //! | `payments` | `pay:<hash>` | payment status for the compare-and-set, with its expiry |
 //! | `messages` | `m:<id>`, `due`, `lease`, `ix*` | record, mutable state, `due_at` (the due zset), `lease_until` (the lease zset) |
 //! | `queue` | `q:<hash>` | unfinished ids per ordering key in order; only the head is due |
-//! | `attempts` | `a:<id>` | history rows (JSON), in order |
+//! | `attempts` | `a:<id>` | history rows (JSON), in order: the first and the latest 100 |
+//! | `seals` | `s:<hash>` | signature seals: the first answer to a signature, while valid |
 //! | `operations` | `cb:op:<hash>` | resend request ids |
 //!
 //! Where Redis expires keys in real time, rows carry `expires_at` computed from the caller's
@@ -34,7 +35,7 @@
 use std::fs::{self, File, TryLockError};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -45,13 +46,15 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, params, para
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    AcceptOutcome, AcceptRequest, Attempt, Claimed, Completion, ListFilter, MessageId,
-    MessageRecord, MessageState, Millis, NewMessage, OperationReservation, Page, QueueDepth,
-    ResendEffect, Store, StoreError, matches_filter,
+    AcceptOutcome, AcceptRequest, Attempt, Claimed, Completion, DEFAULT_PAYMENT_RETENTION_SECS,
+    HISTORY_TAIL, ListFilter, MessageId, MessageRecord, MessageState, Millis, NewMessage,
+    OperationReservation, Page, QueueDepth, ResendEffect, SWEEP_LIMIT, Store, StoreError,
+    matches_filter,
 };
 
 /// Schema migrations, applied in order; `PRAGMA user_version` is how many have run.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE claims (
     key         TEXT PRIMARY KEY NOT NULL,
     fingerprint TEXT NOT NULL,
@@ -110,7 +113,20 @@ CREATE TABLE operations (
     expires_at INTEGER NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX operations_by_expiry ON operations (expires_at);
-"#];
+"#,
+    r#"
+CREATE TABLE seals (
+    key        TEXT PRIMARY KEY NOT NULL,
+    response   TEXT NOT NULL,
+    expires_at INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX seals_by_expiry ON seals (expires_at);
+
+ALTER TABLE messages ADD COLUMN history_total INTEGER NOT NULL DEFAULT 0;
+UPDATE messages SET history_total =
+    (SELECT count(*) FROM attempts WHERE attempts.message_id = messages.id);
+"#,
+];
 
 /// Most commands committed in one transaction: bounds the latency a command queued last in a
 /// burst waits for, and the work lost to a batch-wide failure.
@@ -118,9 +134,6 @@ const MAX_BATCH: usize = 512;
 /// Commands waiting for the writer; past it callers wait to enqueue (backpressure) instead of
 /// growing memory without bound.
 const QUEUE_CAPACITY: usize = 4096;
-/// Expired rows deleted per table per batch: retention never turns one commit into a long
-/// stall, and a backlog drains over successive batches.
-const SWEEP_BATCH: i64 = 1000;
 
 /// Knobs of [`SqliteStore::open_with`]; [`SqliteStore::open`] uses the defaults.
 #[derive(Debug, Clone)]
@@ -135,6 +148,9 @@ pub struct SqliteOptions {
     /// `Unavailable` (a 503) instead of hanging on a stuck disk. A write that commits after
     /// its caller gave up is harmless: the sender's retry gets the stored answer as a replay.
     pub timeout: Duration,
+    /// How long a payment's status outlives its last transition (raised to the retention if
+    /// shorter).
+    pub payment_retention_secs: u64,
 }
 
 impl Default for SqliteOptions {
@@ -143,6 +159,7 @@ impl Default for SqliteOptions {
             busy_timeout: Duration::from_secs(5),
             max_page_count: None,
             timeout: Duration::from_secs(5),
+            payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS,
         }
     }
 }
@@ -153,14 +170,11 @@ pub struct SqliteStore {
     thread: Option<JoinHandle<()>>,
     /// Why a std `Mutex`: it is only locked inside `spawn_blocking`, never across an await.
     reader: Arc<Mutex<Connection>>,
-    /// The latest `now` any caller passed: the store's notion of time for the one read that
-    /// has no `now` (`payment_status`), so it agrees with `accept` about expired statuses
-    /// without reading the clock.
-    clock: Arc<AtomicI64>,
     /// Transactions committed by the writer (observability, and the group-commit tests).
     commits: Arc<AtomicU64>,
     /// How long finished messages and their history are kept.
     retention_ms: i64,
+    payment_retention_ms: i64,
     timeout: Duration,
     path: PathBuf,
     /// Held until the store is gone. Declared last: fields drop after `Drop::drop` has joined
@@ -242,7 +256,9 @@ impl SqliteStore {
         let writer = Connection::open(path)
             .map_err(|e| StoreError::Unavailable(format!("cannot open {}: {e}", path.display())))?;
         configure(&writer, &options).map_err(|e| context(path, e))?;
-        migrate(&writer).map_err(|e| context(path, e))?;
+        let retention_ms = secs_to_ms(retention_secs);
+        let payment_retention_ms = secs_to_ms(options.payment_retention_secs.max(retention_secs));
+        migrate(&writer, payment_retention_ms - retention_ms).map_err(|e| context(path, e))?;
 
         // Read-only: the reader can never write by mistake.
         let reader = Connection::open_with_flags(
@@ -254,7 +270,6 @@ impl SqliteStore {
             .busy_timeout(options.busy_timeout)
             .map_err(|e| context(path, db_error(e)))?;
 
-        let clock = Arc::new(AtomicI64::new(latest_creation(&writer)?));
         let commits = Arc::new(AtomicU64::new(0));
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let thread = {
@@ -268,9 +283,9 @@ impl SqliteStore {
             writer: Some(tx),
             thread: Some(thread),
             reader: Arc::new(Mutex::new(reader)),
-            clock,
             commits,
-            retention_ms: secs_to_ms(retention_secs),
+            retention_ms,
+            payment_retention_ms,
             timeout: options.timeout,
             path: path.to_path_buf(),
             _lock: lock,
@@ -305,9 +320,6 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        if let Some(now) = now {
-            self.clock.fetch_max(now, Ordering::Relaxed);
-        }
         let writer = self.writer.as_ref().ok_or_else(writer_gone)?;
         let (reply, answer) = oneshot::channel();
         let job = Box::new(Op {
@@ -438,7 +450,9 @@ fn configure(conn: &Connection, options: &SqliteOptions) -> Result<(), StoreErro
 }
 
 /// Brings the schema to the latest version, each migration in its own transaction.
-fn migrate(conn: &Connection) -> Result<(), StoreError> {
+/// `payment_extension_ms`: how much longer payment states live now than in version 1, where
+/// they expired with the dedupe claims.
+fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<(), StoreError> {
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .db()?;
@@ -452,21 +466,17 @@ fn migrate(conn: &Connection) -> Result<(), StoreError> {
     for (i, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
         let tx = conn.unchecked_transaction().db()?;
         tx.execute_batch(sql).db()?;
+        if i == 1 {
+            tx.execute(
+                "UPDATE payments SET expires_at = expires_at + ?1",
+                params![payment_extension_ms],
+            )
+            .db()?;
+        }
         tx.pragma_update(None, "user_version", i as i64 + 1).db()?;
         tx.commit().db()?;
     }
     Ok(())
-}
-
-/// Creation time of the newest message: the starting point of the store's clock after a
-/// restart (ids sort by creation time, so this is one index lookup).
-fn latest_creation(conn: &Connection) -> Result<Millis, StoreError> {
-    let newest: Option<String> = conn
-        .query_row("SELECT max(id) FROM messages", [], |r| r.get(0))
-        .db()?;
-    Ok(newest
-        .and_then(|id| MessageId::parse(&id))
-        .map_or(0, |id| id.created_at()))
 }
 
 fn secs_to_ms(secs: u64) -> i64 {
@@ -645,7 +655,7 @@ fn in_savepoint<E>(conn: &Connection, f: impl FnOnce(&Connection) -> Result<(), 
     }
 }
 
-/// Deletes up to [`SWEEP_BATCH`] expired rows of each kind. `now` is the latest caller time
+/// Deletes up to [`SWEEP_LIMIT`] expired rows of each kind. `now` is the latest caller time
 /// of the batch; operation reservations expire on the wall clock they were set with.
 fn sweep(conn: &Connection, now: Millis) -> rusqlite::Result<usize> {
     let mut deleted = 0;
@@ -658,6 +668,11 @@ fn sweep(conn: &Connection, now: Millis) -> rusqlite::Result<usize> {
         (
             "DELETE FROM payments WHERE payment_id IN \
              (SELECT payment_id FROM payments WHERE expires_at <= ?1 LIMIT ?2)",
+            now,
+        ),
+        (
+            "DELETE FROM seals WHERE key IN \
+             (SELECT key FROM seals WHERE expires_at <= ?1 LIMIT ?2)",
             now,
         ),
         (
@@ -679,7 +694,7 @@ fn sweep(conn: &Connection, now: Millis) -> rusqlite::Result<usize> {
     ] {
         deleted += conn
             .prepare_cached(sql)?
-            .execute(params![at, SWEEP_BATCH])?;
+            .execute(params![at, SWEEP_LIMIT as i64])?;
     }
     Ok(deleted)
 }
@@ -687,12 +702,37 @@ fn sweep(conn: &Connection, now: Millis) -> rusqlite::Result<usize> {
 // ---------------------------------------------------------------------------------------
 // Commands (each runs inside the writer's transaction; see the Lua script of the same name)
 
+/// Remembers a signature's first answer until the signature could no longer be accepted.
+fn seal(conn: &Connection, req: &AcceptRequest, response: &str) -> Result<(), StoreError> {
+    if let Some(seal) = &req.seal {
+        conn.prepare_cached(
+            "INSERT OR REPLACE INTO seals (key, response, expires_at) VALUES (?1, ?2, ?3)",
+        )
+        .db()?
+        .execute(params![seal.key, response, seal.expires_at])
+        .db()?;
+    }
+    Ok(())
+}
+
 /// accept.lua
 fn accept_tx(
     conn: &Connection,
     req: &AcceptRequest,
     now: Millis,
+    payment_retention_ms: i64,
 ) -> Result<AcceptOutcome, StoreError> {
+    if let Some(seal) = &req.seal {
+        let first: Option<String> = conn
+            .prepare_cached("SELECT response FROM seals WHERE key = ?1 AND expires_at > ?2")
+            .db()?
+            .query_row(params![seal.key, now], |r| r.get(0))
+            .optional()
+            .db()?;
+        if let Some(response) = first {
+            return Ok(AcceptOutcome::Replayed { response });
+        }
+    }
     let claim = &req.claim;
     let existing: Option<(String, String)> = conn
         .prepare_cached(
@@ -703,11 +743,11 @@ fn accept_tx(
         .optional()
         .db()?;
     if let Some((fingerprint, response)) = existing {
-        return Ok(if fingerprint == claim.fingerprint {
-            AcceptOutcome::Replayed { response }
-        } else {
-            AcceptOutcome::Conflict
-        });
+        if fingerprint != claim.fingerprint {
+            return Ok(AcceptOutcome::Conflict);
+        }
+        seal(conn, req, &response)?;
+        return Ok(AcceptOutcome::Replayed { response });
     }
     let expires_at = now.saturating_add(secs_to_ms(claim.ttl_secs));
     if let Some(p) = req.payment.as_ref().filter(|p| !p.to.is_empty()) {
@@ -727,7 +767,11 @@ fn accept_tx(
              expires_at = excluded.expires_at",
         )
         .db()?
-        .execute(params![p.payment_id, p.to, expires_at])
+        .execute(params![
+            p.payment_id,
+            p.to,
+            now.saturating_add(payment_retention_ms)
+        ])
         .db()?;
     }
     // REPLACE: an expired claim of the same key may still be there, not yet swept.
@@ -743,6 +787,7 @@ fn accept_tx(
         expires_at
     ])
     .db()?;
+    seal(conn, req, &claim.response)?;
 
     let msg = &req.message;
     let pending = msg.target_url.is_some();
@@ -891,12 +936,25 @@ fn current(conn: &Connection, id: &str) -> Result<Option<Current>, StoreError> {
     .db()
 }
 
+/// Appends a history row, keeping the first row and the latest [`HISTORY_TAIL`] (history.lua).
 fn record_history(conn: &Connection, id: &str, row: &str) -> Result<(), StoreError> {
     conn.prepare_cached("INSERT INTO attempts (message_id, row) VALUES (?1, ?2)")
         .db()?
         .execute(params![id, row])
-        .db()
-        .map(|_| ())
+        .db()?;
+    conn.prepare_cached("UPDATE messages SET history_total = history_total + 1 WHERE id = ?1")
+        .db()?
+        .execute(params![id])
+        .db()?;
+    conn.prepare_cached(
+        "DELETE FROM attempts WHERE seq IN (SELECT seq FROM attempts WHERE message_id = ?1 \
+         ORDER BY seq LIMIT 1 OFFSET 1) \
+         AND (SELECT count(*) FROM attempts WHERE message_id = ?1) > ?2",
+    )
+    .db()?
+    .execute(params![id, HISTORY_TAIL as i64 + 1])
+    .db()
+    .map(|_| ())
 }
 
 /// complete.lua
@@ -1074,10 +1132,12 @@ fn reserve_tx(
 // ---------------------------------------------------------------------------------------
 // Reads
 
-const RECORD_COLUMNS: &str = "id, rec, state, deadline, due_at";
+const RECORD_COLUMNS: &str = "id, rec, state, deadline, due_at, history_total, tries";
 
+/// A record from a row of [`RECORD_COLUMNS`]; its history only when a connection is given
+/// (list pages never load histories).
 fn record_from_row(
-    conn: &Connection,
+    conn: Option<&Connection>,
     row: &rusqlite::Row<'_>,
 ) -> Result<MessageRecord, StoreError> {
     let id: String = row.get(0).db()?;
@@ -1091,7 +1151,12 @@ fn record_from_row(
         state,
         deadline: row.get(3).db()?,
         next_attempt_at: row.get(4).db()?,
-        history: history(conn, &id)?,
+        history: match conn {
+            Some(conn) => history(conn, &id)?,
+            None => Vec::new(),
+        },
+        history_total: row.get::<_, i64>(5).db()?.max(0) as u64,
+        delivery_attempts: row.get(6).db()?,
     })
 }
 
@@ -1118,7 +1183,7 @@ fn get_tx(conn: &Connection, id: &str) -> Result<Option<MessageRecord>, StoreErr
         .db()?;
     let mut rows = stmt.query(params![id]).db()?;
     match rows.next().db()? {
-        Some(row) => record_from_row(&tx, row).map(Some),
+        Some(row) => record_from_row(Some(&tx), row).map(Some),
         None => Ok(None),
     }
 }
@@ -1174,7 +1239,7 @@ fn list_tx(conn: &Connection, filter: &ListFilter) -> Result<Page, StoreError> {
             break;
         }
         scanned += 1;
-        let record = record_from_row(&tx, row)?;
+        let record = record_from_row(None, row)?;
         last_scanned = Some(record.message.id.clone());
         // SQL already applied every filter, with the id range standing for the creation
         // window; this applies the record's own `created_at`, as the Redis backend does.
@@ -1217,8 +1282,11 @@ fn depth_tx(conn: &Connection) -> Result<QueueDepth, StoreError> {
 #[async_trait]
 impl Store for SqliteStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
-        self.write(Some(now), move |conn| accept_tx(conn, &req, now))
-            .await
+        let payment_retention_ms = self.payment_retention_ms;
+        self.write(Some(now), move |conn| {
+            accept_tx(conn, &req, now, payment_retention_ms)
+        })
+        .await
     }
 
     async fn claim_due(
@@ -1313,9 +1381,12 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn payment_status(&self, payment_id: &str) -> Result<Option<String>, StoreError> {
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
         let payment_id = payment_id.to_string();
-        let now = self.clock.load(Ordering::Relaxed);
         self.read(move |conn| {
             conn.prepare_cached(
                 "SELECT status FROM payments WHERE payment_id = ?1 AND expires_at > ?2",
@@ -1330,6 +1401,12 @@ impl Store for SqliteStore {
 
     async fn depth(&self) -> Result<QueueDepth, StoreError> {
         self.read(depth_tx).await
+    }
+
+    /// A command of its own with no `now`, so its batch does not sweep first and the count
+    /// is what this call removed.
+    async fn sweep(&self, now: Millis) -> Result<usize, StoreError> {
+        self.write(None, move |conn| sweep(conn, now).db()).await
     }
 
     /// Goes through the writer: ready means commands are being committed, not merely that
@@ -1543,31 +1620,5 @@ mod tests {
         }
         let err = SqliteStore::open(&path, 60).unwrap_err();
         assert!(err.to_string().contains("newer"), "{err}");
-    }
-
-    #[tokio::test]
-    async fn the_clock_starts_from_the_newest_message_after_a_restart() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("cb.db");
-        let id = MessageId::generate(T0 + 42, "k");
-        {
-            let store = SqliteStore::open(&path, 60).unwrap();
-            let rec = format!("{{\"id\":\"{id}\"}}");
-            let id = id.to_string();
-            store
-                .write(Some(T0 + 42), move |conn| {
-                    conn.execute(
-                        "INSERT INTO messages (id, rec, ordering_key, state, deadline) \
-                         VALUES (?1, ?2, 'k', 'recorded', 0)",
-                        params![id, rec],
-                    )
-                    .db()
-                    .map(|_| ())
-                })
-                .await
-                .unwrap();
-        }
-        let store = SqliteStore::open(&path, 60).unwrap();
-        assert_eq!(store.clock.load(Ordering::Relaxed), T0 + 42);
     }
 }

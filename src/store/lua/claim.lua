@@ -1,10 +1,18 @@
 -- Leases due messages of one partition; expired leases (dead workers) are due again first.
 -- KEYS: 1 due zset, 2 lease zset, 3 pending index, 4 in_flight index
--- ARGV: 1 now ms, 2 limit, 3 lease ms, 4 partition key prefix
+-- ARGV: 1 now ms, 2 limit, 3 lease ms, 4 partition key prefix, 5 '1' to time leases by
+--       this server's clock
 local now = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
-local lease_until = now + tonumber(ARGV[3])
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
+-- Leases are judged by one clock for all workers: with several processes, a worker whose
+-- clock runs ahead would otherwise take over leases that have not expired yet.
+local lease_now = now
+if ARGV[5] == '1' then
+  local t = redis.call('TIME')
+  lease_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local lease_until = lease_now + tonumber(ARGV[3])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', lease_now, 'LIMIT', 0, limit)
 for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[2], id)
   redis.call('ZADD', KEYS[1], now, id)

@@ -1,8 +1,9 @@
 -- Records a delivery attempt and its consequence, if the caller still holds the lease.
 -- KEYS: 1 message hash, 2 attempts list, 3 lease zset, 4 due zset, 5 ordering queue,
---       6 in_flight index, 7 pending index, 8 index of the final state (delivered/dead)
+--       6 in_flight index, 7 pending index, 8 index of the final state (delivered/dead),
+--       9 expiry index
 -- ARGV: 1 id, 2 lease token, 3 outcome (delivered|retry|dead), 4 attempt json,
---       5 next attempt ms, 6 now ms, 7 retention secs, 8 oldest id kept in indexes
+--       5 next attempt ms, 6 now ms, 7 retention secs, 8 history tail
 local id = ARGV[1]
 local cur = redis.call('HMGET', KEYS[1], 'state', 'lease', 'resume', 'again')
 if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[2] then
@@ -14,7 +15,7 @@ redis.call('ZREM', KEYS[3], id)
 -- or a finished message would be claimed (and its successor promoted) again.
 redis.call('ZREM', KEYS[4], id)
 redis.call('ZREM', KEYS[6], id)
-redis.call('RPUSH', KEYS[2], ARGV[4])
+append_history(KEYS[1], KEYS[2], ARGV[4], tonumber(ARGV[8]))
 redis.call('HINCRBY', KEYS[1], 'tries', 1)
 local outcome = ARGV[3]
 if outcome == 'retry' or cur[4] == '1' then
@@ -33,9 +34,8 @@ if outcome == 'retry' or cur[4] == '1' then
 end
 redis.call('HSET', KEYS[1], 'state', outcome, 'resume', 0, 'again', 0)
 redis.call('ZADD', KEYS[8], 0, id)
-redis.call('ZREMRANGEBYLEX', KEYS[8], '-', '(' .. ARGV[8])
-redis.call('EXPIRE', KEYS[1], ARGV[7])
-redis.call('EXPIRE', KEYS[2], ARGV[7])
+-- finished: kept for the retention, then the sweeper deletes it with its index entries
+redis.call('ZADD', KEYS[9], tonumber(ARGV[6]) + tonumber(ARGV[7]) * 1000, 'm:' .. id)
 redis.call('LREM', KEYS[5], 1, id)
 local head = redis.call('LINDEX', KEYS[5], 0)
 if head then
