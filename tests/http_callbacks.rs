@@ -294,7 +294,12 @@ async fn bad_requests_get_json_errors_and_change_nothing() {
         assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()));
     }
     assert_eq!(message_keys(&redis), 0);
-    assert_eq!(redis.cli(&["dbsize"]), "0", "nothing at all was written");
+    assert_eq!(
+        redis.cli(&["GET", "cb:schema"]),
+        "2",
+        "the layout version is the one key written at start-up"
+    );
+    assert_eq!(redis.cli(&["dbsize"]), "1", "nothing else at all was written");
 
     // Event header without status is fine; a numeric id is fine; `none` needs no signature.
     let r = post(

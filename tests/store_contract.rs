@@ -1515,10 +1515,255 @@ async fn everything_of_a_finished_message_is_swept_after_the_retention(h: &Harne
 }
 
 // ---------------------------------------------------------------------------------------
+// Upgrades from the first release's layout (fixtures written by it: tests/fixtures/)
+
+/// What the fixture's traffic left behind, checked on a store upgraded from it at `now`
+/// (shortly after the fixture was written, as far as its lifetimes are concerned).
+async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
+    let s = h.s();
+    // A provider retry of a callback acknowledged before the upgrade is still a replay.
+    let body = serde_json::json!({"id": "tx-1", "status": "COMPLETED", "type": "DEPOSIT", "method": "PIX"});
+    let key = callbackd::inbound::dedupe::derive(
+        "payzu",
+        &body,
+        None,
+        &callbackd::inbound::dedupe::DEFAULT_FIELDS,
+    )
+    .expect("fixture body has a key");
+    let ordering_key = format!("src/payzu/{}", key.transaction_id);
+    let retry = AcceptRequest {
+        claim: Claim {
+            key: key.key,
+            ttl_secs: TTL_SECS,
+            fingerprint: String::new(),
+            response: "not the stored one".into(),
+        },
+        ..request("unused", new_message(&ordering_key, now))
+    };
+    let AcceptOutcome::Replayed { response } = s.accept(retry, now).await.unwrap() else {
+        panic!("a callback acknowledged by the old layout must replay");
+    };
+    assert!(response.contains("msg_"), "{response}");
+
+    // Payment states survive, and now outlive the 30 days their claims had.
+    let day40 = now + 40 * DAY_MS;
+    for (payment, status) in [
+        ("pay-ok", "settled"),
+        ("pay-fail", "approved"),
+        ("pay-gone", "approved"),
+    ] {
+        assert_eq!(
+            s.payment_status(payment, day40).await.unwrap().as_deref(),
+            Some(status),
+            "{payment}"
+        );
+    }
+
+    let all = list_all(
+        s,
+        ListFilter {
+            limit: 100,
+            ..Default::default()
+        },
+    )
+    .await;
+    let state_of = |payment: &str| {
+        all.iter()
+            .filter(|r| r.message.payment_id.as_deref() == Some(payment))
+            .map(|r| (r.state, r.message.id.clone()))
+            .collect::<Vec<_>>()
+    };
+    let [(MessageState::Dead, dead)] = &state_of("pay-gone")[..] else {
+        panic!("pay-gone: {:?}", state_of("pay-gone"));
+    };
+    let dead = get(s, dead).await;
+    assert_eq!((dead.history.len(), dead.history_total), (1, 1));
+    assert_eq!(dead.history[0].status, Some(410));
+    assert_eq!(state_of("pay-ok").len(), 2);
+    assert!(
+        state_of("pay-ok")
+            .iter()
+            .all(|(st, _)| *st == MessageState::Delivered)
+    );
+    assert_eq!(
+        all.iter()
+            .filter(|r| r.state == MessageState::Recorded)
+            .count(),
+        3,
+        "the payzu callbacks"
+    );
+
+    // The pending retry is due at its old schedule (initial backoff 1 h) and goes on.
+    let [(MessageState::Pending, pending)] = &state_of("pay-fail")[..] else {
+        panic!("pay-fail: {:?}", state_of("pay-fail"));
+    };
+    let later = now + 2 * 3_600_000;
+    let claimed = claim_one(s, later, pending).await;
+    assert_eq!(claimed.attempts, 1, "its first failed attempt is remembered");
+    complete(s, &claimed, Completion::Dead, later).await;
+    let record = get(s, pending).await;
+    assert_eq!(record.history_total, 2);
+    assert_eq!(record.delivery_attempts, 2);
+
+    // Past every retention, everything of the old messages is gone too, index entries
+    // included; only the payment states (400 days) remain.
+    let past = later + RETENTION_SECS as Millis * 1000;
+    h.sweep_all(past).await;
+    let left = list_all(
+        s,
+        ListFilter {
+            limit: 100,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(left.is_empty(), "{left:?}");
+    assert_eq!(
+        s.payment_status("pay-ok", past).await.unwrap().as_deref(),
+        Some("settled")
+    );
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RedisFixture {
+    dumped_at_ms: Millis,
+    keys: Vec<FixtureKey>,
+}
+
+#[derive(serde::Deserialize)]
+struct FixtureKey {
+    key: String,
+    #[serde(rename = "type")]
+    kind: String,
+    pttl: i64,
+    value: serde_json::Value,
+}
+
+// ---------------------------------------------------------------------------------------
 // Backend-specific
 
 mod redis_only {
     use super::*;
+
+    /// Writes the fixture's keys as the first release left them, TTLs included.
+    async fn load_fixture(url: &str) -> Millis {
+        let fixture: RedisFixture =
+            serde_json::from_str(include_str!("fixtures/redis_v1.json")).expect("fixture");
+        let client = ::redis::Client::open(url).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let mut pipe = ::redis::pipe();
+        for k in &fixture.keys {
+            let v = &k.value;
+            match k.kind.as_str() {
+                "string" => pipe.set(&k.key, v.as_str().unwrap()),
+                "hash" => pipe.hset_multiple(
+                    &k.key,
+                    &v.as_object()
+                        .unwrap()
+                        .iter()
+                        .map(|(f, x)| (f.clone(), x.as_str().unwrap().to_string()))
+                        .collect::<Vec<_>>(),
+                ),
+                "list" => pipe.rpush(
+                    &k.key,
+                    v.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_str().unwrap().to_string())
+                        .collect::<Vec<_>>(),
+                ),
+                "zset" => pipe.zadd_multiple(
+                    &k.key,
+                    &v.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|p| (p[1].as_f64().unwrap(), p[0].as_str().unwrap().to_string()))
+                        .collect::<Vec<_>>(),
+                ),
+                other => panic!("fixture type {other}"),
+            };
+            if k.pttl > 0 {
+                pipe.pexpire(&k.key, k.pttl);
+            }
+        }
+        pipe.query_async::<()>(&mut conn).await.unwrap();
+        fixture.dumped_at_ms
+    }
+
+    #[tokio::test]
+    async fn a_first_release_store_is_upgraded_in_place() {
+        let server = RedisServer::start();
+        let dumped_at = load_fixture(&server.url()).await;
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap()
+            .with_caller_clock_leases();
+        // The fixture's TTLs are relative: "now" for the upgrade is when it was dumped.
+        assert_eq!(store.upgrade(dumped_at).await.unwrap(), 1);
+        assert_eq!(server.cli(&["GET", "cb:schema"]), "2");
+        assert_eq!(
+            store.upgrade(dumped_at).await.unwrap(),
+            2,
+            "a second start finds the new layout"
+        );
+        // Redis itself must keep payment states past the 30 days v1 gave them.
+        let payments = server.cli(&["KEYS", "cb:*:pay:*"]);
+        assert_eq!(payments.lines().count(), 3);
+        for key in payments.lines() {
+            let pttl: i64 = server.cli(&["PTTL", key]).parse().unwrap();
+            assert!(pttl > 300 * DAY_MS, "{key} expires in {pttl} ms");
+        }
+        let h = Harness {
+            store: Box::new(store),
+            backend: Backend::Redis(server),
+        };
+        the_upgraded_fixture_keeps_its_data(&h, dumped_at).await;
+    }
+
+    #[tokio::test]
+    async fn a_store_newer_than_this_binary_is_refused() {
+        let server = RedisServer::start();
+        server.cli(&["SET", "cb:schema", "99"]);
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap();
+        let err = store.upgrade(T0).await.unwrap_err().to_string();
+        assert!(err.contains("version 99") && err.contains("newer"), "{err}");
+    }
+
+    /// Two workers whose clocks disagree by more than the lease: the one running ahead must
+    /// not take over a lease that has not expired by the store's clock.
+    #[tokio::test]
+    async fn leases_are_timed_by_the_store_clock() {
+        let server = RedisServer::start();
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap();
+        let now = callbackd::clock::Clock::now_ms(&callbackd::clock::SystemClock);
+        let id = accept_new(&store, "pay/skew", now).await;
+        let first = store.claim_due(now, 10, 60_000).await.unwrap();
+        assert_eq!(first.len(), 1);
+        let ahead = now + 10 * 60_000;
+        assert!(
+            store.claim_due(ahead, 10, 60_000).await.unwrap().is_empty(),
+            "a clock 10 minutes ahead does not expire a 1-minute lease"
+        );
+        // A lease that has run out by the store's clock is taken over.
+        let short = accept_new(&store, "pay/short", now).await;
+        let leased = store.claim_due(now, 10, 1).await.unwrap();
+        assert_eq!(ids_of(&leased), vec![short.clone()]);
+        let mut again = Vec::new();
+        for _ in 0..200 {
+            again = store.claim_due(now, 10, 60_000).await.unwrap();
+            if !again.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(ids_of(&again), vec![short]);
+        assert_ne!(id, again[0].message.id);
+    }
 
     /// Redis expires claims on its own clock; check the TTL it was given.
     #[tokio::test]
@@ -1544,6 +1789,30 @@ mod redis_only {
 mod sqlite_only {
     use super::*;
     use std::path::PathBuf;
+
+    #[tokio::test]
+    async fn a_first_release_database_is_migrated_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cb.db");
+        std::fs::copy("tests/fixtures/sqlite_v1.db", &path).unwrap();
+        let written_at = {
+            let conn = rusqlite::Connection::open(&path).unwrap();
+            let version: i64 = conn
+                .query_row("PRAGMA user_version", [], |r| r.get(0))
+                .unwrap();
+            assert_eq!(version, 1, "the fixture is the first release's schema");
+            let newest: String = conn
+                .query_row("SELECT max(id) FROM messages", [], |r| r.get(0))
+                .unwrap();
+            MessageId::parse(&newest).unwrap().created_at()
+        };
+        let store = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let h = Harness {
+            store: Box::new(store),
+            backend: Backend::Sqlite { _dir: dir, path },
+        };
+        the_upgraded_fixture_keeps_its_data(&h, written_at + 5_000).await;
+    }
 
     fn fresh() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
