@@ -506,6 +506,8 @@ mod tests {
         assert_eq!(c.server.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(c.server.max_body_bytes, 1_048_576);
         assert_eq!(c.store.dedupe_ttl_secs, 2_592_000);
+        assert_eq!(c.store.payment_retention_secs, 400 * 86_400);
+        assert_eq!(c.store.sweep_interval_secs, 30);
         assert_eq!(c.dispatch.max_age_secs, 604_800);
         assert_eq!(c.dispatch.initial_backoff_ms, 1000);
         assert_eq!(c.dispatch.max_backoff_secs, 3600);
@@ -547,6 +549,18 @@ mod tests {
             ("[store]\nurl = \"mysql://x\"\n", "store.url"),
             ("[dispatch]\nconcurency = 3\n", "dispatch"),
             ("[dispatch]\nconcurrency = 0\n", "dispatch.concurrency"),
+            (
+                "[store]\ndedupe_ttl_secs = 100\npayment_retention_secs = 99\n",
+                "store.payment_retention_secs",
+            ),
+            (
+                "[store]\nsweep_interval_secs = 61\n",
+                "store.sweep_interval_secs",
+            ),
+            (
+                "[store]\nsweep_interval_secs = 0\n",
+                "store.sweep_interval_secs",
+            ),
             ("[dispatch]\nlease_secs = 10\n", "dispatch.lease_secs"),
             ("[sources.p]\nsignature = \"payzu\"\n", "sources.p.secrets"),
             (

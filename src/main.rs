@@ -228,6 +228,14 @@ fn check_config(arg: ConfigArg) -> Result<(), String> {
         config.auth.connector_tokens.len(),
         config.auth.admin_tokens.len(),
     );
+    let span = |secs: u64| humantime::format_duration(std::time::Duration::from_secs(secs));
+    println!(
+        "retention: dedupe claims and finished messages {}, payment states {} after their \
+         last transition; expired data swept every {}",
+        span(config.store.dedupe_ttl_secs),
+        span(config.store.payment_retention_secs),
+        span(config.store.sweep_interval_secs),
+    );
     Ok(())
 }
 

@@ -40,6 +40,43 @@ async fn first_arrival_then_byte_identical_replay() {
     assert_eq!(message_keys(&redis), 2);
 }
 
+/// PayZu signs `t.body`, not `X-Callback-Event`: a captured request re-posted within its
+/// tolerance with another event header (or none) must not become a new event.
+#[tokio::test]
+async fn a_signature_re_posted_with_other_unsigned_headers_is_a_replay() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let captured = sign_payzu(
+        support::PAYZU_SECRET.as_bytes(),
+        server.app.clock.now_secs(),
+        BODY.as_bytes(),
+    );
+    let first = server
+        .post_signed("payzu", BODY, &captured, Some("TRANSACTION_PAID"))
+        .await;
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let first_body = first.bytes().await.unwrap();
+    for event in [
+        Some("TRANSACTION_REFUNDED"),
+        Some("INFRACTION_CHANGED"),
+        None,
+    ] {
+        let again = server.post_signed("payzu", BODY, &captured, event).await;
+        assert_eq!(again.status(), 200, "{event:?}");
+        assert_eq!(again.headers()["idempotent-replayed"], "true", "{event:?}");
+        assert_eq!(again.bytes().await.unwrap(), first_body, "{event:?}");
+    }
+    assert_eq!(message_keys(&redis), 1, "no new event was recorded");
+
+    // The provider's own retry signs again (a new timestamp): still a replay of the event,
+    // and a genuinely new event with its own signature is accepted.
+    let refund = BODY.replace("COMPLETED", "REFUNDED");
+    let r = server.post_callback("payzu", &refund, None).await;
+    assert!(r.headers().get("idempotent-replayed").is_none());
+    assert_eq!(message_keys(&redis), 2);
+}
+
 #[tokio::test]
 async fn two_hundred_concurrent_duplicates_make_one_record() {
     let redis = RedisServer::start();
@@ -299,7 +336,11 @@ async fn bad_requests_get_json_errors_and_change_nothing() {
         "2",
         "the layout version is the one key written at start-up"
     );
-    assert_eq!(redis.cli(&["dbsize"]), "1", "nothing else at all was written");
+    assert_eq!(
+        redis.cli(&["dbsize"]),
+        "1",
+        "nothing else at all was written"
+    );
 
     // Event header without status is fine; a numeric id is fine; `none` needs no signature.
     let r = post(

@@ -403,10 +403,15 @@ async fn seven_days_on_a_virtual_clock() {
     assert_eq!(successes, 1);
     println!(
         "down 6 days then up: delivered at attempt {}",
-        rec.history.len()
+        rec.delivery_attempts
     );
-    assert!(rec.history.len() > 100, "hourly retries over six days");
-    assert_eq!(sink.count(), rec.history.len());
+    assert!(rec.delivery_attempts > 100, "hourly retries over six days");
+    assert_eq!(sink.count() as u64, rec.history_total);
+    assert_eq!(
+        rec.history.len(),
+        1 + callbackd::store::HISTORY_TAIL,
+        "the history keeps the first attempt and the latest 100"
+    );
 
     // Down forever: dead exactly at the deadline, nothing after it.
     let down = Sink::start(|_, _| Reply::status(500)).await;
@@ -427,13 +432,13 @@ async fn seven_days_on_a_virtual_clock() {
     );
     println!(
         "down for good: {} attempts over 7 days, then dead",
-        rec.history.len()
+        rec.delivery_attempts
     );
     clock.advance(86_400_000);
     d.tick().await;
     assert_eq!(
-        down.count(),
-        rec.history.len(),
+        down.count() as u64,
+        rec.history_total,
         "no attempt after the deadline"
     );
 

@@ -1599,7 +1599,10 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
     };
     let later = now + 2 * 3_600_000;
     let claimed = claim_one(s, later, pending).await;
-    assert_eq!(claimed.attempts, 1, "its first failed attempt is remembered");
+    assert_eq!(
+        claimed.attempts, 1,
+        "its first failed attempt is remembered"
+    );
     complete(s, &claimed, Completion::Dead, later).await;
     let record = get(s, pending).await;
     assert_eq!(record.history_total, 2);

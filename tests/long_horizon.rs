@@ -1,0 +1,271 @@
+//! Month two and beyond, on a virtual clock, over HTTP, on both stores: a payment's life over
+//! 90 days with provider callbacks, failing receivers, retries and sweeps. Every transition
+//! must be decided correctly long after its dedupe claims are gone, and at the end the store
+//! must hold nothing but the payment's state.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use callbackd::clock::{Clock, ManualClock};
+use callbackd::dispatch::Dispatcher;
+use callbackd::store::Millis;
+use serde_json::json;
+use support::redis::RedisServer;
+use support::sink::{Reply, Sink};
+use support::{TestServer, handoff, virtual_server};
+
+const DAY_MS: Millis = 86_400_000;
+
+/// What the store holds: Redis keys, or SQLite rows of every table.
+enum Footprint {
+    Redis(RedisServer),
+    Sqlite(std::path::PathBuf),
+}
+
+impl Footprint {
+    fn count(&self) -> u64 {
+        match self {
+            Footprint::Redis(redis) => redis.cli(&["DBSIZE"]).parse().expect("DBSIZE"),
+            Footprint::Sqlite(path) => self.rows(path).values().sum(),
+        }
+    }
+
+    fn rows(&self, path: &std::path::Path) -> std::collections::BTreeMap<String, u64> {
+        let conn = rusqlite::Connection::open(path).expect("open for counting");
+        let tables: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        tables
+            .into_iter()
+            .map(|t| {
+                let n: i64 = conn
+                    .query_row(&format!("SELECT count(*) FROM {t}"), [], |r| r.get(0))
+                    .unwrap();
+                (t, n as u64)
+            })
+            .collect()
+    }
+
+    /// Nothing is left but the layout version and one payment state: on Redis its key and
+    /// its member in the partition's expiry index, on SQLite its row.
+    fn assert_only_a_payment_state_is_left(&self) {
+        match self {
+            Footprint::Redis(redis) => {
+                let mut keys: Vec<String> =
+                    redis.cli(&["--scan"]).lines().map(str::to_string).collect();
+                keys.sort();
+                let [schema, payment, expiry] = &keys[..] else {
+                    panic!("keys left: {keys:?}");
+                };
+                assert_eq!(schema, "cb:schema");
+                assert!(payment.contains(":pay:"), "{keys:?}");
+                assert!(expiry.ends_with(":x"), "{keys:?}");
+                let members = redis.cli(&["ZRANGE", expiry, "0", "-1"]);
+                assert!(
+                    payment.ends_with(&members),
+                    "the expiry index holds only the payment: {members}"
+                );
+            }
+            Footprint::Sqlite(path) => {
+                let left: Vec<(String, u64)> = self
+                    .rows(path)
+                    .into_iter()
+                    .filter(|(_, n)| *n > 0)
+                    .collect();
+                assert_eq!(left, [("payments".to_string(), 1)]);
+            }
+        }
+    }
+}
+
+struct World {
+    server: TestServer,
+    clock: Arc<ManualClock>,
+    dispatcher: Arc<Dispatcher>,
+    gateway: Sink,
+    merchant: Sink,
+    /// While set, both receivers answer 503 (an outage the retries must ride out).
+    outage: Arc<AtomicBool>,
+    start: Millis,
+}
+
+impl World {
+    async fn new(store_url: &str) -> World {
+        let outage = Arc::new(AtomicBool::new(false));
+        let answer = |outage: Arc<AtomicBool>| {
+            move |_: &support::sink::Received, _| {
+                Reply::status(if outage.load(Ordering::SeqCst) {
+                    503
+                } else {
+                    204
+                })
+            }
+        };
+        let gateway = Sink::start(answer(outage.clone())).await;
+        let merchant = Sink::start(answer(outage.clone())).await;
+        let forward = format!("{}/payzu-events", merchant.url);
+        let (server, clock, dispatcher) = virtual_server(store_url, |c| {
+            if let Some(source) = c.sources.get_mut("payzu") {
+                source.forward_url = Some(forward);
+            }
+        })
+        .await;
+        let start = clock.now_ms();
+        World {
+            server,
+            clock,
+            dispatcher,
+            gateway,
+            merchant,
+            outage,
+            start,
+        }
+    }
+
+    /// Moves the clock to `day` (since the start) plus `ms`, delivering what falls due on
+    /// the way, hour by hour, and sweeping as the sweeper would.
+    async fn advance_to(&self, day: i64, ms: Millis) {
+        let target = self.start + day * DAY_MS + ms;
+        while self.clock.now_ms() < target {
+            // Retries back off to at most an hour; a few hours a step is fine-grained enough
+            // for the schedule and keeps 90 days to a few hundred steps.
+            let step = (target - self.clock.now_ms()).min(6 * 3_600_000);
+            self.clock.advance(step);
+            self.dispatcher.tick().await;
+            self.sweep().await;
+        }
+    }
+
+    async fn sweep(&self) {
+        let now = self.clock.now_ms();
+        while self.server.app.store.sweep(now).await.expect("sweep") > 0 {}
+    }
+
+    async fn hand_off(&self, status: &str) -> u16 {
+        let url = format!("{}/callback", self.gateway.url);
+        self.server
+            .notify(&handoff("pay-90", status, &url))
+            .await
+            .status()
+            .as_u16()
+    }
+
+    async fn provider(&self, body: serde_json::Value, event: Option<&str>) -> (u16, bool) {
+        let r = self
+            .server
+            .post_callback("payzu", &body.to_string(), event)
+            .await;
+        let replayed = r.headers().get("idempotent-replayed").is_some();
+        (r.status().as_u16(), replayed)
+    }
+}
+
+async fn ninety_days(store_url: &str, footprint: Footprint) {
+    let w = World::new(store_url).await;
+    let baseline = footprint.count();
+
+    // Day 0: approved, while both receivers are down for a few hours.
+    w.outage.store(true, Ordering::SeqCst);
+    assert_eq!(w.hand_off("approved").await, 202);
+    let paid = json!({"id": "tx-90", "status": "COMPLETED", "type": "DEPOSIT", "method": "PIX", "amount": 100.0});
+    assert_eq!(w.provider(paid.clone(), None).await, (200, false));
+    assert_eq!(w.provider(paid.clone(), None).await, (200, true), "retry");
+    for hour in 1..=3 {
+        w.advance_to(0, hour * 3_600_000).await;
+    }
+    let failed = w.gateway.count();
+    assert!(failed >= 3, "retried through the outage: {failed}");
+    w.outage.store(false, Ordering::SeqCst);
+    w.advance_to(0, 5 * 3_600_000).await;
+    assert_eq!(w.gateway.count(), failed + 1, "delivered once it came back");
+
+    // Day 1: settled.
+    w.advance_to(1, 0).await;
+    assert_eq!(w.hand_off("settled").await, 202);
+    assert_eq!(w.hand_off("settled").await, 202, "an idempotent repeat");
+
+    // Day 45: every dedupe claim of days 0 and 1 is gone (30 days); the payment is not.
+    w.advance_to(45, 0).await;
+    assert_eq!(
+        w.hand_off("approved").await,
+        409,
+        "settled is never approved again"
+    );
+    let partial = json!({"id": "tx-90", "status": "COMPLETED", "refundStatus": "PARTIAL", "refundAmount": 10.0});
+    assert_eq!(w.provider(partial.clone(), None).await, (200, false));
+    assert_eq!(w.provider(partial, None).await, (200, true));
+    let infraction = json!({"id": "tx-90", "status": "COMPLETED", "infraction": {"id": "inf-1", "status": "OPEN"}});
+    assert_eq!(
+        w.provider(infraction, Some("INFRACTION_CHANGED")).await,
+        (200, false)
+    );
+
+    // Day 60: refunded, then nothing may go back.
+    w.advance_to(60, 0).await;
+    assert_eq!(w.hand_off("refunded").await, 202, "a refund on day 60");
+    assert_eq!(w.hand_off("approved").await, 409);
+    assert_eq!(w.hand_off("settled").await, 409);
+    w.advance_to(60, 3_600_000).await;
+    let deliveries: Vec<String> = w
+        .gateway
+        .received()
+        .iter()
+        .filter(|r| r.json()["status"] != serde_json::Value::Null)
+        .map(|r| r.json()["status"].as_str().unwrap_or_default().to_string())
+        .collect();
+    let statuses: Vec<&str> = deliveries.iter().map(String::as_str).collect();
+    let mut distinct = statuses.clone();
+    distinct.dedup();
+    assert_eq!(distinct, ["approved", "settled", "refunded"], "in order");
+    let mut forwarded: Vec<String> = w.merchant.received().into_iter().map(|r| r.body).collect();
+    forwarded.sort();
+    forwarded.dedup();
+    assert_eq!(
+        forwarded.len(),
+        3,
+        "each provider event reached the merchant"
+    );
+
+    // Day 90: the refund of day 60 (delivered an hour later) is kept until its 30 days are
+    // up; a day later, past every retention but the payment's, the store is back at its
+    // baseline plus the one live payment state.
+    w.advance_to(90, 0).await;
+    assert!(footprint.count() > baseline + 2, "the refund is still kept");
+    w.advance_to(91, 0).await;
+    footprint.assert_only_a_payment_state_is_left();
+    assert_eq!(
+        w.server
+            .app
+            .store
+            .payment_status("pay-90", w.clock.now_ms())
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("refunded")
+    );
+    w.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ninety_days_on_redis() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    ninety_days(&url, Footprint::Redis(redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ninety_days_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cb.db");
+    ninety_days(
+        &format!("sqlite://{}", path.display()),
+        Footprint::Sqlite(path),
+    )
+    .await;
+}
