@@ -269,3 +269,23 @@ async fn ninety_days_on_sqlite() {
     )
     .await;
 }
+
+/// The sweeper runs inside `serve` on its interval: no test call deletes anything here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_running_server_sweeps_on_its_own() {
+    let redis = RedisServer::start();
+    let (server, clock, _dispatcher) =
+        virtual_server(&redis.url(), |c| c.store.sweep_interval_secs = 1).await;
+    let r = server
+        .post_callback("payzu", r#"{"id":"tx-s","status":"PAID"}"#, None)
+        .await;
+    assert_eq!(r.status(), 200);
+    let messages = || redis.cli(&["--scan", "--pattern", "cb:*:m:*"]);
+    assert_eq!(messages().lines().count(), 1);
+    clock.advance(31 * DAY_MS);
+    support::eventually(10, "the sweeper deletes the expired message", || async {
+        messages().is_empty().then_some(())
+    })
+    .await;
+    server.stop().await;
+}
