@@ -57,18 +57,17 @@ pub fn format_iso(at: Millis) -> String {
     humantime::format_rfc3339_millis(at).to_string()
 }
 
-/// Parses ISO-8601 as PayZu's `createdAtFrom`/`createdAtTo` use it: a full timestamp
-/// (`2026-11-30T12:00:00Z`, offset or not) or a bare date (`2026-11-30`, midnight UTC).
-pub fn parse_iso(s: &str) -> Option<Millis> {
-    let full = if s.len() == 10 {
-        format!("{s}T00:00:00Z")
-    } else {
-        s.to_string()
-    };
-    let t = humantime::parse_rfc3339_weak(full.trim_end_matches('Z')).ok()?;
-    t.duration_since(UNIX_EPOCH)
-        .ok()
-        .map(|d| d.as_millis() as Millis)
+/// The forms [`parse_rfc3339`] accepts, for error messages.
+pub const RFC3339_FORMS: &str = "RFC 3339 with an offset, e.g. 2026-11-30T00:00:00-03:00, \
+    2026-11-30T03:00:00Z or 2026-11-30T03:00:00.250Z";
+
+/// Parses an RFC 3339 timestamp with any offset (`Z`, `-03:00`...). A bare date is refused
+/// rather than guessed: midnight in which time zone would be a silent surprise to an operator
+/// in São Paulo.
+pub fn parse_rfc3339(s: &str) -> Option<Millis> {
+    let at = time::OffsetDateTime::parse(s.trim(), &time::format_description::well_known::Rfc3339)
+        .ok()?;
+    Millis::try_from(at.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
 #[cfg(test)]
@@ -76,11 +75,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn iso_round_trip() {
+    fn rfc3339_round_trip_and_offsets() {
         let t = 1_764_460_800_123;
         assert_eq!(format_iso(t), "2025-11-30T00:00:00.123Z");
-        assert_eq!(parse_iso(&format_iso(t)), Some(t));
-        assert_eq!(parse_iso("2025-11-30"), Some(1_764_460_800_000));
-        assert_eq!(parse_iso("yesterday"), None);
+        assert_eq!(parse_rfc3339(&format_iso(t)), Some(t));
+        // São Paulo's midnight is 03:00 UTC.
+        assert_eq!(
+            parse_rfc3339("2025-11-30T00:00:00-03:00"),
+            Some(1_764_460_800_000 + 3 * 3_600_000)
+        );
+        assert_eq!(
+            parse_rfc3339("2025-11-30T05:30:00+05:30"),
+            Some(1_764_460_800_000)
+        );
+        assert_eq!(parse_rfc3339("2025-11-30"), None, "a date alone is refused");
+        assert_eq!(parse_rfc3339("2025-11-30T00:00:00"), None, "no offset");
+        assert_eq!(parse_rfc3339("yesterday"), None);
     }
 }

@@ -61,10 +61,10 @@ struct Selection {
     /// Provider transaction id (with --source when several sources are configured)
     #[arg(long)]
     transaction_id: Option<String>,
-    /// Created at or after, ISO-8601
+    /// Created at or after: RFC 3339 with an offset, e.g. 2026-11-30T00:00:00-03:00
     #[arg(long)]
     from: Option<String>,
-    /// Created at or before, ISO-8601
+    /// Created at or before: RFC 3339 with an offset
     #[arg(long)]
     to: Option<String>,
 }

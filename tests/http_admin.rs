@@ -36,7 +36,7 @@ async fn kill_message(
         if v["state"] == "dead" {
             return;
         }
-        let next = callbackd::clock::parse_iso(v["nextAttemptAt"].as_str().unwrap()).unwrap();
+        let next = callbackd::clock::parse_rfc3339(v["nextAttemptAt"].as_str().unwrap()).unwrap();
         clock.set(next.max(clock.now_ms()));
         d.tick().await;
     }
@@ -54,7 +54,7 @@ async fn inspect_a_message_that_failed_three_times() {
     for _ in 0..3 {
         d.tick().await;
         let v = view(&server, id).await;
-        let next = callbackd::clock::parse_iso(v["nextAttemptAt"].as_str().unwrap()).unwrap();
+        let next = callbackd::clock::parse_rfc3339(v["nextAttemptAt"].as_str().unwrap()).unwrap();
         clock.set(next);
     }
     let v = view(&server, id).await;
@@ -154,6 +154,54 @@ async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive(
         let r = server.admin_get(&format!("/v1/messages?{bad}")).await;
         assert_eq!(r.status(), 400, "{bad}");
     }
+}
+
+/// São Paulo operators write offsets; a bare date is refused with the forms that work.
+#[tokio::test]
+async fn time_filters_take_any_offset_and_refuse_a_bare_date() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let r = server
+        .post_callback("payzu", r#"{"id":"tx-br","status":"PAID"}"#, None)
+        .await;
+    assert_eq!(r.status(), 200);
+    let brazil = time::UtcOffset::from_hms(-3, 0, 0).unwrap();
+    let at = |offset_ms: i64| {
+        let now = time::OffsetDateTime::now_utc() + time::Duration::milliseconds(offset_ms);
+        now.to_offset(brazil)
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap()
+    };
+    let count = |query: String| {
+        let server = &server;
+        async move {
+            let r = server.admin_get(&format!("/v1/messages?{query}")).await;
+            assert_eq!(r.status(), 200, "{query}");
+            let page: Value = r.json().await.unwrap();
+            page["messages"].as_array().unwrap().len()
+        }
+    };
+    let hour = 3_600_000;
+    let from = at(-hour).replace('+', "%2B");
+    assert!(from.ends_with("-03:00"), "{from}");
+    assert_eq!(count(format!("createdAtFrom={from}")).await, 1);
+    assert_eq!(count(format!("createdAtFrom={}", at(hour))).await, 0);
+    assert_eq!(count(format!("createdAtTo={}", at(-hour))).await, 0);
+    assert_eq!(
+        count(format!("createdAtFrom={from}&createdAtTo={}", at(hour))).await,
+        1
+    );
+
+    let r = server
+        .admin_get("/v1/messages?createdAtFrom=2026-11-30")
+        .await;
+    assert_eq!(r.status(), 400);
+    let err: Value = r.json().await.unwrap();
+    let message = err["message"].as_str().unwrap();
+    assert!(
+        message.contains("createdAtFrom") && message.contains("-03:00"),
+        "{message}"
+    );
 }
 
 #[tokio::test]

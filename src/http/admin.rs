@@ -17,7 +17,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::{Role, require};
 use super::{path_segment, raw_json, read_body};
 use crate::app::App;
-use crate::clock::{format_iso, parse_iso};
+use crate::clock::{RFC3339_FORMS, format_iso, parse_rfc3339};
 use crate::error::{ApiError, ErrorBody};
 use crate::metrics as m;
 use crate::payment;
@@ -141,10 +141,10 @@ pub struct ListQuery {
     pub payment_id: Option<String>,
     /// Provider transaction id (with `source` when several sources are configured).
     pub transaction_id: Option<String>,
-    /// ISO-8601, inclusive.
+    /// RFC 3339 with an offset (`2026-11-30T00:00:00-03:00`), inclusive.
     #[param(format = DateTime)]
     pub created_at_from: Option<String>,
-    /// ISO-8601, inclusive.
+    /// RFC 3339 with an offset (`2026-11-30T00:00:00-03:00`), inclusive.
     #[param(format = DateTime)]
     pub created_at_to: Option<String>,
     /// 1 to 1000, default 100.
@@ -193,7 +193,11 @@ impl Selection {
         let time = |field: &str, v: &Option<String>| {
             v.as_deref()
                 .map(|s| {
-                    parse_iso(s).ok_or_else(|| bad(format!("`{field}`: `{s}` is not ISO-8601")))
+                    parse_rfc3339(s).ok_or_else(|| {
+                        bad(format!(
+                            "`{field}`: `{s}` is not a time; give {RFC3339_FORMS}"
+                        ))
+                    })
                 })
                 .transpose()
         };
@@ -298,10 +302,10 @@ pub struct ResendRequest {
     pub message_ids: Option<Vec<String>>,
     pub payment_id: Option<String>,
     pub transaction_id: Option<String>,
-    /// ISO-8601 window start (PayZu's name).
+    /// Window start, RFC 3339 with an offset (PayZu's name).
     #[schema(format = DateTime)]
     pub created_at_from: Option<String>,
-    /// ISO-8601 window end.
+    /// Window end, RFC 3339 with an offset.
     #[schema(format = DateTime)]
     pub created_at_to: Option<String>,
     /// Narrows a selection.
