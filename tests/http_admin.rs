@@ -87,6 +87,43 @@ async fn inspect_a_message_that_failed_three_times() {
     );
 }
 
+/// A receiver that fails forever: the API keeps the first attempt and the latest 100, shows
+/// the totals, and list pages carry the totals without any attempt.
+#[tokio::test]
+async fn a_hostile_receivers_history_is_bounded_in_the_api() {
+    let redis = RedisServer::start();
+    let (server, clock, d) = virtual_server(&redis.url(), |_| {}).await;
+    let sink = Sink::start(|_, _| Reply::status(503)).await;
+    let id = server
+        .hand_off_id(&handoff("p-h", "approved", &format!("{}/cb", sink.url)))
+        .await;
+    for _ in 0..150 {
+        d.tick().await;
+        let v = view(&server, &id).await;
+        let next = callbackd::clock::parse_rfc3339(v["nextAttemptAt"].as_str().unwrap()).unwrap();
+        clock.set(next);
+    }
+    let v = view(&server, &id).await;
+    assert_eq!(v["attemptCount"], 150);
+    assert_eq!(v["historyTotal"], 150);
+    let attempts = v["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 101);
+    assert_eq!(attempts[0]["attempt"], 1);
+    assert_eq!(attempts[1]["attempt"], 51);
+    assert_eq!(attempts[100]["attempt"], 150);
+
+    let page: Value = server
+        .admin_get("/v1/messages?paymentId=p-h")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let listed = &page["messages"][0];
+    assert_eq!(listed["historyTotal"], 150);
+    assert_eq!(listed["attemptCount"], 150);
+    assert_eq!(listed["attempts"], json!([]), "list pages load no history");
+}
+
 #[tokio::test]
 async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive() {
     let redis = RedisServer::start();
