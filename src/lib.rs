@@ -93,8 +93,11 @@ pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, St
 }
 
 /// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) until
-/// `shutdown` is cancelled; then stops accepting, lets in-flight requests and deliveries
-/// finish within `server.shutdown_grace_secs`, and hands unfinished leases back.
+/// `shutdown` is cancelled. Then `/readyz` answers 503 at once and the dispatcher stops
+/// claiming; HTTP goes on answering while in-flight deliveries finish (within
+/// `server.shutdown_grace_secs`) and unfinished leases are handed back, so a load balancer
+/// sees the readiness change before the port closes. Then it stops accepting and gives open
+/// requests another `server.shutdown_grace_secs` to finish.
 pub async fn serve(
     app: Arc<App>,
     listener: TcpListener,
@@ -119,6 +122,18 @@ pub async fn serve(
     } else {
         None
     };
+    let http_shutdown = CancellationToken::new();
+    let drain = tokio::spawn({
+        let (app, http_shutdown) = (app.clone(), http_shutdown.clone());
+        async move {
+            shutdown.cancelled().await;
+            app.shutting_down.cancel();
+            if let Some(task) = dispatcher {
+                let _ = task.await;
+            }
+            http_shutdown.cancel();
+        }
+    });
     let limits = http::server::Limits {
         header_timeout: Duration::from_secs(app.config.server.header_timeout_secs),
         // Longer than a slow body is given (`request_timeout_secs`), so that one still gets
@@ -129,10 +144,8 @@ pub async fn serve(
         max_connections: app.config.server.max_connections,
         grace,
     };
-    http::server::serve(listener, http::router(app.clone()), shutdown, limits).await;
-    if let Some(task) = dispatcher {
-        let _ = task.await;
-    }
+    http::server::serve(listener, http::router(app.clone()), http_shutdown, limits).await;
+    let _ = drain.await;
     let _ = sweeper.await;
     Ok(())
 }
