@@ -210,7 +210,7 @@ fn default_tolerance() -> u64 {
 
 /// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
 /// 128 bits, which nobody guesses.
-pub const MIN_EXPOSED_SECRET_BYTES: usize = 16;
+const MIN_EXPOSED_SECRET_BYTES: usize = 16;
 /// How the example config's placeholders start (`change-me-admin-token`).
 const PLACEHOLDER_PREFIX: &str = "change-me";
 
@@ -510,7 +510,7 @@ pub fn decode_whsec(secret: &str) -> Result<Vec<u8>, String> {
         .decode(b64)
         .map_err(|e| format!("not a whsec_<base64> secret: {e}"))?;
     if key.is_empty() {
-        return Err("is empty (no key after `whsec_`): anyone could sign".into());
+        return Err("is an empty key: anyone could sign".into());
     }
     Ok(key)
 }
