@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
 use crate::config::Config;
@@ -30,6 +31,8 @@ pub struct App {
     /// Rung after every accept so an idle dispatcher starts delivering at once.
     pub wake: Arc<Notify>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    /// Cancelled when shutdown begins, so `/readyz` turns 503 while requests are still served.
+    pub shutting_down: CancellationToken,
 }
 
 impl App {
@@ -66,6 +69,7 @@ impl App {
             sources,
             wake: Arc::new(Notify::new()),
             metrics: crate::metrics::handle(),
+            shutting_down: CancellationToken::new(),
         })
     }
 }

@@ -208,6 +208,51 @@ fn default_tolerance() -> u64 {
     300
 }
 
+/// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
+/// 128 bits, which nobody guesses.
+const MIN_EXPOSED_SECRET_BYTES: usize = 16;
+/// How the example config's placeholders start (`change-me-admin-token`).
+const PLACEHOLDER_PREFIX: &str = "change-me";
+
+/// Who can reach the server, which decides how strong its tokens and secrets must be.
+#[derive(Debug, Clone, Copy)]
+enum Exposure {
+    /// Only this machine: the example config's placeholders are fine for trying things out.
+    Loopback,
+    Network(SocketAddr),
+}
+
+impl Exposure {
+    /// Refuses a placeholder or short token or secret when the server is reachable from the
+    /// network, where anyone who read the README could use it. `len` is the key's length in
+    /// bytes (decoded, for a `whsec_` secret). The value itself is never echoed.
+    fn check(self, key: &str, raw: &str, len: usize) -> Result<(), ConfigError> {
+        let Exposure::Network(listen) = self else {
+            return Ok(());
+        };
+        let bare = raw.strip_prefix("whsec_").unwrap_or(raw);
+        if bare.to_ascii_lowercase().starts_with(PLACEHOLDER_PREFIX) {
+            return Err(invalid(
+                key,
+                format!(
+                    "is a placeholder (`{PLACEHOLDER_PREFIX}...`) and server.listen ({listen}) is \
+                     not loopback: set a random value, e.g. from `openssl rand -hex 32`"
+                ),
+            ));
+        }
+        if len < MIN_EXPOSED_SECRET_BYTES {
+            return Err(invalid(
+                key,
+                format!(
+                    "is {len} bytes and server.listen ({listen}) is not loopback: use at least \
+                     {MIN_EXPOSED_SECRET_BYTES} random bytes, e.g. from `openssl rand -hex 32`"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Where the store lives, parsed from `store.url`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreLocation {
@@ -326,26 +371,33 @@ impl Config {
                 ),
             ));
         }
-        for (i, token) in self.auth.connector_tokens.iter().enumerate() {
-            if token.len() < 8 {
-                return Err(invalid(
-                    format!("auth.connector_tokens[{i}]"),
-                    "tokens must be at least 8 characters",
-                ));
-            }
-        }
-        for (i, token) in self.auth.admin_tokens.iter().enumerate() {
-            if token.len() < 8 {
-                return Err(invalid(
-                    format!("auth.admin_tokens[{i}]"),
-                    "tokens must be at least 8 characters",
-                ));
+        let exposure = self.exposure();
+        for (list, tokens) in [
+            ("auth.connector_tokens", &self.auth.connector_tokens),
+            ("auth.admin_tokens", &self.auth.admin_tokens),
+        ] {
+            for (i, token) in tokens.iter().enumerate() {
+                let key = format!("{list}[{i}]");
+                if token.len() < 8 {
+                    return Err(invalid(key, "tokens must be at least 8 characters"));
+                }
+                exposure.check(&key, token, token.len())?;
             }
         }
         for (name, source) in &self.sources {
-            source.validate(name)?;
+            source.validate(name, exposure)?;
         }
         Ok(())
+    }
+
+    /// Whether tokens and secrets must be unguessable: the server is reachable beyond this
+    /// machine.
+    fn exposure(&self) -> Exposure {
+        if self.server.listen.ip().is_loopback() {
+            Exposure::Loopback
+        } else {
+            Exposure::Network(self.server.listen)
+        }
     }
 
     pub fn store_location(&self) -> Result<StoreLocation, ConfigError> {
@@ -370,7 +422,7 @@ fn parse_store_url(url: &str) -> Result<StoreLocation, ConfigError> {
 }
 
 impl SourceConfig {
-    fn validate(&self, name: &str) -> Result<(), ConfigError> {
+    fn validate(&self, name: &str, exposure: Exposure) -> Result<(), ConfigError> {
         let key = |k: &str| format!("sources.{name}.{k}");
         if name.is_empty()
             || !name
@@ -393,12 +445,18 @@ impl SourceConfig {
             _ => {}
         }
         for (i, secret) in self.secrets.iter().enumerate() {
+            let secret_key = format!("{}[{i}]", key("secrets"));
             if secret.is_empty() {
-                return Err(invalid(format!("{}[{i}]", key("secrets")), "is empty"));
+                return Err(invalid(secret_key, "is empty: anyone could sign"));
             }
-            if self.signature == SignatureScheme::StandardWebhooks {
-                decode_whsec(secret).map_err(|m| invalid(format!("{}[{i}]", key("secrets")), m))?;
-            }
+            let len = if self.signature == SignatureScheme::StandardWebhooks {
+                decode_whsec(secret)
+                    .map_err(|m| invalid(&secret_key, m))?
+                    .len()
+            } else {
+                secret.len()
+            };
+            exposure.check(&secret_key, secret, len)?;
         }
         if self.signature == SignatureScheme::HmacSha256 && self.signature_header.is_none() {
             return Err(invalid(
@@ -427,7 +485,8 @@ impl SourceConfig {
             }
         }
         if let Some(secret) = &self.forward_secret {
-            decode_whsec(secret).map_err(|m| invalid(key("forward_secret"), m))?;
+            let decoded = decode_whsec(secret).map_err(|m| invalid(key("forward_secret"), m))?;
+            exposure.check(&key("forward_secret"), secret, decoded.len())?;
         }
         if let Some(fields) = &self.dedupe_fields {
             for (i, field) in fields.iter().enumerate() {
@@ -444,12 +503,16 @@ impl SourceConfig {
 }
 
 /// Decodes a Standard Webhooks secret (`whsec_` + base64). The prefix is optional, as in the
-/// reference libraries.
+/// reference libraries. An empty key is refused: anyone could sign with it.
 pub fn decode_whsec(secret: &str) -> Result<Vec<u8>, String> {
     let b64 = secret.strip_prefix("whsec_").unwrap_or(secret);
-    base64::engine::general_purpose::STANDARD
+    let key = base64::engine::general_purpose::STANDARD
         .decode(b64)
-        .map_err(|e| format!("not a whsec_<base64> secret: {e}"))
+        .map_err(|e| format!("not a whsec_<base64> secret: {e}"))?;
+    if key.is_empty() {
+        return Err("is an empty key: anyone could sign".into());
+    }
+    Ok(key)
 }
 
 /// Sets `section.key[.key...]` in the parsed file from a `CALLBACKD__SECTION__KEY` variable.
@@ -584,5 +647,138 @@ mod tests {
             let err = load(text, &[]).unwrap_err().to_string();
             assert!(err.contains(key), "{text:?}: `{err}` does not name {key}");
         }
+    }
+
+    #[test]
+    fn empty_secrets_are_refused_for_every_scheme() {
+        let cases = [
+            (
+                "[sources.p]\nsignature = \"payzu\"\nsecrets = [\"\"]\n",
+                "sources.p.secrets[0]",
+            ),
+            (
+                "[sources.p]\nsignature = \"hmac-sha256\"\nsignature_header = \"x-sig\"\n\
+                 secrets = [\"long-enough-secret\", \"\"]\n",
+                "sources.p.secrets[1]",
+            ),
+            (
+                "[sources.p]\nsignature = \"standard-webhooks\"\nsecrets = [\"whsec_\"]\n",
+                "sources.p.secrets[0]",
+            ),
+            (
+                "[sources.p]\nsignature = \"standard-webhooks\"\nsecrets = [\"\"]\n",
+                "sources.p.secrets[0]",
+            ),
+            (
+                "[sources.p]\nsignature = \"none\"\nforward_secret = \"whsec_\"\n",
+                "sources.p.forward_secret",
+            ),
+            (
+                "[sources.p]\nsignature = \"none\"\nforward_secret = \"\"\n",
+                "sources.p.forward_secret",
+            ),
+        ];
+        for (text, key) in cases {
+            // Refused on loopback too: an empty key lets anyone sign, wherever it listens.
+            let err = load(text, &[]).unwrap_err().to_string();
+            assert!(err.contains(key), "{text:?}: `{err}` does not name {key}");
+            assert!(err.contains("empty"), "{text:?}: `{err}` does not say why");
+        }
+    }
+
+    /// Every token and secret key, each given a strong value except `weak_key`, which gets
+    /// `weak`.
+    fn config_with(weak_key: &str, weak: &str) -> String {
+        let strong = "0123456789abcdef0123456789abcdef";
+        // 32 random-looking bytes, base64.
+        let strong_whsec = "whsec_MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+        let pick = |key: &str, default: &str| {
+            if key == weak_key {
+                weak.to_string()
+            } else {
+                default.to_string()
+            }
+        };
+        format!(
+            "[auth]\nconnector_tokens = [\"{}\"]\nadmin_tokens = [\"{}\"]\n\
+             [sources.p]\nsignature = \"payzu\"\nsecrets = [\"{}\"]\n\
+             [sources.w]\nsignature = \"standard-webhooks\"\nsecrets = [\"{}\"]\n\
+             forward_secret = \"{}\"\n",
+            pick("auth.connector_tokens[0]", strong),
+            pick("auth.admin_tokens[0]", strong),
+            pick("sources.p.secrets[0]", strong),
+            pick("sources.w.secrets[0]", strong_whsec),
+            pick("sources.w.forward_secret", strong_whsec),
+        )
+    }
+
+    #[test]
+    fn placeholders_and_short_secrets_are_refused_off_loopback() {
+        let public = [("CALLBACKD__SERVER__LISTEN", "0.0.0.0:8080")];
+        assert!(
+            load(&config_with("", ""), &public).is_ok(),
+            "strong values pass"
+        );
+        // 8 bytes, base64: long enough as text, too short as a key.
+        let short_whsec = "whsec_MDEyMzQ1Njc=";
+        let cases = [
+            (
+                "auth.connector_tokens[0]",
+                "change-me-connector-token",
+                "placeholder",
+            ),
+            (
+                "auth.admin_tokens[0]",
+                "change-me-admin-token",
+                "placeholder",
+            ),
+            (
+                "auth.admin_tokens[0]",
+                "Change-Me-Please-0123456789",
+                "placeholder",
+            ),
+            ("auth.admin_tokens[0]", "fifteen-bytes!!", "15 bytes"),
+            (
+                "sources.p.secrets[0]",
+                "change-me-payzu-secret",
+                "placeholder",
+            ),
+            ("sources.p.secrets[0]", "short-secret", "12 bytes"),
+            ("sources.w.secrets[0]", short_whsec, "8 bytes"),
+            ("sources.w.forward_secret", short_whsec, "8 bytes"),
+        ];
+        for (key, weak, why) in cases {
+            let text = config_with(key, weak);
+            for listen in ["0.0.0.0:8080", "192.0.2.10:8080", "[::]:8080"] {
+                let err = load(&text, &[("CALLBACKD__SERVER__LISTEN", listen)])
+                    .unwrap_err()
+                    .to_string();
+                assert!(err.contains(key), "{key} on {listen}: `{err}`");
+                assert!(
+                    err.contains(why),
+                    "{key} on {listen}: `{err}` lacks `{why}`"
+                );
+                assert!(!err.contains(weak), "the value is never echoed: `{err}`");
+            }
+            for listen in ["127.0.0.1:8080", "[::1]:8080"] {
+                assert!(
+                    load(&text, &[("CALLBACKD__SERVER__LISTEN", listen)]).is_ok(),
+                    "{key} = {weak:?} is fine on loopback {listen}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_example_config_is_refused_off_loopback() {
+        let example = include_str!("../config.toml");
+        assert!(
+            load(example, &[]).is_ok(),
+            "it serves on 127.0.0.1 as shipped"
+        );
+        let err = load(example, &[("CALLBACKD__SERVER__LISTEN", "0.0.0.0:8080")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("auth.connector_tokens[0]"), "{err}");
     }
 }

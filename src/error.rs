@@ -37,6 +37,8 @@ pub enum ApiError {
     Conflict(String),
     #[error("the store cannot record this durably right now; retry")]
     Unavailable(#[source] StoreError),
+    #[error("shutting down: send requests to another instance")]
+    ShuttingDown,
 }
 
 impl ApiError {
@@ -64,6 +66,7 @@ impl ApiError {
             }
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "in_progress"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
+            ApiError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
         }
     }
 }

@@ -5,6 +5,7 @@ pub mod clock;
 pub mod config;
 pub mod digest;
 pub mod dispatch;
+pub mod durability;
 pub mod error;
 pub mod http;
 pub mod inbound;
@@ -22,7 +23,8 @@ use app::App;
 use clock::Clock;
 use config::{Config, StoreLocation};
 use dispatch::Dispatcher;
-use store::redis::{Persistence, RedisStore};
+use durability::Verdict;
+use store::redis::RedisStore;
 use store::sqlite::{SqliteOptions, SqliteStore};
 use store::{Store, StoreError};
 
@@ -30,11 +32,10 @@ use store::{Store, StoreError};
 pub enum StartError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error(
-        "Redis has no persistence (appendonly no) and store.require_durable = true: \
-         enable AOF (appendonly yes) or set store.require_durable = false"
-    )]
-    NotDurable,
+    /// `store.require_durable = true` and the Redis may lose acknowledged writes; the message
+    /// says what to check.
+    #[error("store.require_durable = true refuses this Redis: {0}")]
+    NotDurable(String),
     #[error("{0}")]
     Setup(String),
     #[error("I/O: {0}")]
@@ -61,6 +62,15 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
             let store = RedisStore::connect(&url, timeout, retention)
                 .await?
                 .with_payment_retention_secs(config.store.payment_retention_secs);
+            // Judged before the upgrade writes anything to a Redis that may be refused.
+            match durability::check_redis(&store, config.store.require_durable).await? {
+                Verdict::Refuse(why) => return Err(StartError::NotDurable(why)),
+                Verdict::Start { warnings } => {
+                    for warning in warnings {
+                        tracing::warn!("{warning}");
+                    }
+                }
+            }
             let from = store.upgrade(clock::SystemClock.now_ms()).await?;
             if from < store::redis::SCHEMA_VERSION {
                 tracing::info!(
@@ -68,20 +78,6 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
                     to = store::redis::SCHEMA_VERSION,
                     "upgraded the Redis layout"
                 );
-            }
-            match store.persistence().await? {
-                Persistence::AppendOnly => {}
-                Persistence::Off if config.store.require_durable => {
-                    return Err(StartError::NotDurable);
-                }
-                Persistence::Off => tracing::warn!(
-                    "Redis runs without AOF (appendonly no): acknowledged callbacks are lost if \
-                     Redis restarts. Enable appendonly yes, or set store.require_durable = true \
-                     to refuse to start like this"
-                ),
-                Persistence::Unknown => tracing::warn!(
-                    "cannot read Redis persistence settings (CONFIG disabled?): make sure AOF is on"
-                ),
             }
             Ok(Arc::new(store))
         }
@@ -97,8 +93,11 @@ pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, St
 }
 
 /// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) until
-/// `shutdown` is cancelled; then stops accepting, lets in-flight requests and deliveries
-/// finish within `server.shutdown_grace_secs`, and hands unfinished leases back.
+/// `shutdown` is cancelled. Then `/readyz` answers 503 at once and the dispatcher stops
+/// claiming; HTTP goes on answering while in-flight deliveries finish (within
+/// `server.shutdown_grace_secs`) and unfinished leases are handed back, so a load balancer
+/// sees the readiness change before the port closes. Then it stops accepting and gives open
+/// requests another `server.shutdown_grace_secs` to finish.
 pub async fn serve(
     app: Arc<App>,
     listener: TcpListener,
@@ -123,6 +122,18 @@ pub async fn serve(
     } else {
         None
     };
+    let http_shutdown = CancellationToken::new();
+    let drain = tokio::spawn({
+        let (app, http_shutdown) = (app.clone(), http_shutdown.clone());
+        async move {
+            shutdown.cancelled().await;
+            app.shutting_down.cancel();
+            if let Some(task) = dispatcher {
+                let _ = task.await;
+            }
+            http_shutdown.cancel();
+        }
+    });
     let limits = http::server::Limits {
         header_timeout: Duration::from_secs(app.config.server.header_timeout_secs),
         // Longer than a slow body is given (`request_timeout_secs`), so that one still gets
@@ -133,10 +144,8 @@ pub async fn serve(
         max_connections: app.config.server.max_connections,
         grace,
     };
-    http::server::serve(listener, http::router(app.clone()), shutdown, limits).await;
-    if let Some(task) = dispatcher {
-        let _ = task.await;
-    }
+    http::server::serve(listener, http::router(app.clone()), http_shutdown, limits).await;
+    let _ = drain.await;
     let _ = sweeper.await;
     Ok(())
 }

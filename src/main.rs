@@ -1,8 +1,10 @@
 //! The `callbackd` command: run the server, check a config, or operate a running server
 //! through its admin API.
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
@@ -92,6 +94,18 @@ enum Command {
     Serve(ConfigArg),
     /// Load and validate the config, print a summary, exit 0 (or 2 naming the bad key)
     CheckConfig(ConfigArg),
+    /// GET /healthz of a running server (a container HEALTHCHECK): exit 0 when it answers 2xx
+    /// within the timeout, else 1
+    Healthcheck {
+        /// Base URL [default: loopback at the port of server.listen in the config]
+        #[arg(long, env = URL_ENV)]
+        url: Option<String>,
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Seconds to wait for the answer
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+        timeout_secs: u64,
+    },
     /// Inspect messages of a running server (needs $CALLBACKD_ADMIN_TOKEN)
     Messages {
         #[command(subcommand)]
@@ -239,6 +253,44 @@ fn check_config(arg: ConfigArg) -> Result<(), String> {
     Ok(())
 }
 
+async fn healthcheck(
+    url: Option<String>,
+    config: ConfigArg,
+    timeout_secs: u64,
+) -> Result<(), String> {
+    let base = match url {
+        Some(url) => url,
+        None => local_url(load_config(&config)?.server.listen),
+    };
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(timeout_secs))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let url = format!("{}/healthz", base.trim_end_matches('/'));
+    let response = client
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| format!("cannot reach {url}: {e}"))?;
+    if response.status().is_success() {
+        Ok(())
+    } else {
+        Err(format!("{url} answered {}", response.status()))
+    }
+}
+
+/// Where a process on this machine reaches a server listening on `listen`: a wildcard
+/// address is not one to connect to, loopback on the same port is.
+fn local_url(listen: SocketAddr) -> String {
+    let ip = match listen.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    format!("http://{}", SocketAddr::new(ip, listen.port()))
+}
+
 async fn call_admin(
     remote: &Remote,
     method: reqwest::Method,
@@ -253,7 +305,10 @@ async fn call_admin(
         )
     })?;
     let client = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(60))
+        // Like deliveries, the CLI ignores HTTP(S)_PROXY / ALL_PROXY: it talks to one
+        // callbackd, and an admin token should not pass through a proxy nobody configured here.
+        .no_proxy()
+        .timeout(Duration::from_secs(60))
         .build()
         .map_err(|e| e.to_string())?;
     let url = format!("{}{path}", remote.url.trim_end_matches('/'));
@@ -305,6 +360,20 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(arg) => serve(arg).await,
         Command::CheckConfig(arg) => check_config(arg),
+        Command::Healthcheck {
+            url,
+            config,
+            timeout_secs,
+        } => {
+            // Docker reads 1 as unhealthy and reserves 2, so this one exits 1 on any failure.
+            return match healthcheck(url, config, timeout_secs).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(message) => {
+                    eprintln!("callbackd: unhealthy: {message}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         Command::Messages { command } => messages(command).await,
         Command::Resend {
             remote,

@@ -18,12 +18,16 @@ pub async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// Readiness: the store answers.
+/// Readiness: not shutting down, and the store answers.
 #[utoipa::path(get, path = "/readyz", responses(
     (status = 200, description = "Store reachable", body = Object),
-    (status = 503, description = "Store unreachable", body = ErrorBody),
+    (status = 503, description = "Shutting down (`shutting_down`) or store unreachable (`store_unavailable`)", body = ErrorBody),
 ), tag = "ops")]
 pub async fn readyz(State(app): State<Arc<App>>) -> Result<Json<Value>, ApiError> {
+    // Before the store: a draining process must leave the load balancer whatever its store says.
+    if app.shutting_down.is_cancelled() {
+        return Err(ApiError::ShuttingDown);
+    }
     app.store.ping().await?;
     Ok(Json(json!({"status": "ready"})))
 }

@@ -39,13 +39,13 @@ use super::{
 };
 use crate::digest::short_hash;
 
-/// What `CONFIG GET appendonly` said at start-up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Persistence {
-    AppendOnly,
-    Off,
-    /// CONFIG is disabled (managed Redis): cannot tell.
-    Unknown,
+/// The server settings that decide whether an acknowledged write survives, as `CONFIG GET`
+/// reported them at start-up; `None` where the server did not say.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DurabilitySettings {
+    pub appendonly: Option<String>,
+    pub appendfsync: Option<String>,
+    pub maxmemory_policy: Option<String>,
 }
 
 struct Scripts {
@@ -238,29 +238,30 @@ impl RedisStore {
         Ok(found)
     }
 
-    /// `CONFIG GET appendonly`. Managed Redis often disables CONFIG; that is not an error.
-    pub async fn persistence(&self) -> Result<Persistence, StoreError> {
+    /// `CONFIG GET` of the persistence and eviction settings, or `None` when CONFIG is
+    /// disabled, renamed or not permitted (managed Redis often does that): what that means is
+    /// the caller's decision. One command per setting, since Redis 6 takes one name per GET.
+    pub async fn durability_settings(&self) -> Result<Option<DurabilitySettings>, StoreError> {
         let mut conn = self.conn.clone();
-        let reply: redis::RedisResult<HashMap<String, String>> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("appendonly")
-            .query_async(&mut conn)
-            .await;
+        let mut pipe = redis::pipe();
+        for name in ["appendonly", "appendfsync", "maxmemory-policy"] {
+            pipe.cmd("CONFIG").arg("GET").arg(name);
+        }
+        let reply: redis::RedisResult<Vec<HashMap<String, String>>> =
+            pipe.query_async(&mut conn).await;
         match reply {
-            Ok(map) => Ok(match map.get("appendonly").map(String::as_str) {
-                Some("yes") => Persistence::AppendOnly,
-                Some(_) => Persistence::Off,
-                None => Persistence::Unknown,
-            }),
-            Err(e)
-                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) =>
-            {
-                Ok(Persistence::Unknown)
+            Ok(replies) => {
+                let mut all: HashMap<String, String> = replies.into_iter().flatten().collect();
+                Ok(Some(DurabilitySettings {
+                    appendonly: all.remove("appendonly"),
+                    appendfsync: all.remove("appendfsync"),
+                    maxmemory_policy: all.remove("maxmemory-policy"),
+                }))
             }
             Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
                 Err(unavailable(e))
             }
-            Err(_) => Ok(Persistence::Unknown),
+            Err(_) => Ok(None),
         }
     }
 

@@ -15,6 +15,11 @@ impl Process {
     /// Starts `callbackd serve` on a free port with the test tokens, fast retries, private
     /// targets allowed, the given store and `extra` TOML appended (e.g. a source table).
     pub fn start(store_url: &str, extra: &str) -> Process {
+        Self::start_with_env(store_url, extra, &[])
+    }
+
+    /// `start`, with extra environment variables for the process.
+    pub fn start_with_env(store_url: &str, extra: &str, env: &[(&str, &str)]) -> Process {
         let config = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(
             config.path(),
@@ -48,6 +53,7 @@ shutdown_grace_secs = 10
             .arg(config.path())
             .env("CALLBACKD__SERVER__LISTEN", format!("127.0.0.1:{port}"))
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let child = cmd.spawn().expect("spawn callbackd");

@@ -1,0 +1,168 @@
+//! The start-up check of a Redis store: will an acknowledged callback survive? Two settings
+//! decide it. Without AOF a restart forgets it; with an eviction policy a full Redis drops
+//! dedupe claims and payment states, so a duplicate is delivered again or a refund refused.
+//! `store.require_durable = true` refuses anything it cannot confirm; otherwise each doubt is
+//! a warning.
+
+use crate::store::StoreError;
+use crate::store::redis::{DurabilitySettings, RedisStore};
+
+/// Why a Redis was refused (`store.require_durable = true`), or the doubts to log otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Refuse(String),
+    Start { warnings: Vec<String> },
+}
+
+/// Reads the settings of `store`'s Redis and judges them.
+pub async fn check_redis(store: &RedisStore, require_durable: bool) -> Result<Verdict, StoreError> {
+    Ok(judge(
+        store.durability_settings().await?.as_ref(),
+        require_durable,
+    ))
+}
+
+/// Judges settings read with `CONFIG GET` (`None`: CONFIG is not available).
+pub fn judge(settings: Option<&DurabilitySettings>, require_durable: bool) -> Verdict {
+    let unknown = DurabilitySettings::default();
+    let s = settings.unwrap_or(&unknown);
+    let mut doubts = Vec::new();
+    match s.appendonly.as_deref() {
+        Some("yes") => {}
+        Some(other) => doubts.push(format!(
+            "Redis has no AOF (appendonly {other}): acknowledged callbacks are lost if Redis \
+             restarts. Enable it with appendonly yes"
+        )),
+        None => {}
+    }
+    match s.maxmemory_policy.as_deref() {
+        Some("noeviction") => {}
+        Some(policy) => doubts.push(format!(
+            "Redis maxmemory-policy is {policy}: once Redis reaches maxmemory it evicts keys, \
+             dedupe claims and payment states among them, so a duplicate callback is delivered \
+             again and valid transitions are refused. Set maxmemory-policy noeviction (a full \
+             Redis then refuses writes, which callbackd answers with 503 and Retry-After)"
+        )),
+        None => {}
+    }
+    if s.appendonly.is_none() || s.maxmemory_policy.is_none() {
+        doubts.push(
+            "cannot read Redis' appendonly and maxmemory-policy (CONFIG GET is disabled, \
+             renamed or not permitted): check with your Redis provider that AOF is on \
+             (appendonly yes) and maxmemory-policy is noeviction, then allow CONFIG GET for \
+             callbackd's user"
+                .to_string(),
+        );
+    }
+    if require_durable && !doubts.is_empty() {
+        return Verdict::Refuse(format!(
+            "{}; or set store.require_durable = false to start anyway",
+            doubts.join("; ")
+        ));
+    }
+    let mut warnings = doubts;
+    if !warnings.is_empty() {
+        warnings.push("set store.require_durable = true to refuse to start like this".into());
+    }
+    // Not a reason to refuse: AOF is on and survives a process crash, but `no` leaves the
+    // flush to the OS (often 30 s), so a machine crash can lose acknowledged callbacks.
+    if s.appendonly.as_deref() == Some("yes") && s.appendfsync.as_deref() == Some("no") {
+        warnings.push(
+            "Redis appendfsync is no: the OS decides when the AOF reaches the disk, so a \
+             machine crash can lose acknowledged callbacks. Use appendfsync everysec, or \
+             always to survive power loss"
+                .to_string(),
+        );
+    }
+    Verdict::Start { warnings }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(appendonly: &str, appendfsync: &str, policy: &str) -> DurabilitySettings {
+        DurabilitySettings {
+            appendonly: Some(appendonly.into()),
+            appendfsync: Some(appendfsync.into()),
+            maxmemory_policy: Some(policy.into()),
+        }
+    }
+
+    fn refusal(verdict: Verdict) -> String {
+        match verdict {
+            Verdict::Refuse(m) => m,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    fn warnings(verdict: Verdict) -> Vec<String> {
+        match verdict {
+            Verdict::Start { warnings } => warnings,
+            other => panic!("expected a start, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn aof_always_and_noeviction_start_without_a_word() {
+        for durable in [true, false] {
+            let s = settings("yes", "always", "noeviction");
+            assert_eq!(warnings(judge(Some(&s), durable)), Vec::<String>::new());
+        }
+    }
+
+    #[test]
+    fn a_durable_config_refuses_what_it_cannot_confirm() {
+        let cases = [
+            (Some(settings("no", "always", "noeviction")), "appendonly"),
+            (
+                Some(settings("yes", "always", "allkeys-lru")),
+                "maxmemory-policy",
+            ),
+            (
+                Some(settings("yes", "always", "volatile-ttl")),
+                "volatile-ttl",
+            ),
+            (None, "CONFIG GET"),
+            (
+                Some(DurabilitySettings {
+                    maxmemory_policy: None,
+                    ..settings("yes", "always", "")
+                }),
+                "cannot read",
+            ),
+        ];
+        for (s, says) in cases {
+            let message = refusal(judge(s.as_ref(), true));
+            assert!(message.contains(says), "{s:?}: `{message}` lacks {says}");
+            assert!(
+                message.contains("store.require_durable = false"),
+                "{message}"
+            );
+        }
+    }
+
+    #[test]
+    fn otherwise_each_doubt_is_a_warning() {
+        let w = warnings(judge(
+            Some(&settings("yes", "always", "allkeys-lru")),
+            false,
+        ));
+        assert!(w[0].contains("allkeys-lru"), "{w:?}");
+        assert!(
+            w.iter().any(|m| m.contains("require_durable = true")),
+            "{w:?}"
+        );
+        let w = warnings(judge(None, false));
+        assert!(w[0].contains("cannot read"), "{w:?}");
+    }
+
+    #[test]
+    fn appendfsync_no_is_a_warning_even_when_durability_is_required() {
+        for durable in [true, false] {
+            let w = warnings(judge(Some(&settings("yes", "no", "noeviction")), durable));
+            assert_eq!(w.len(), 1, "{w:?}");
+            assert!(w[0].contains("appendfsync"), "{w:?}");
+        }
+    }
+}
