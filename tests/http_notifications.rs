@@ -461,25 +461,30 @@ async fn retry_after_gone_and_failures() {
     let redis = RedisServer::start();
     let (server, clock, d) =
         virtual_server(&redis.url(), |c| c.dispatch.request_timeout_ms = 300).await;
-    let date = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(300));
-    let sink = Sink::start(move |req, _| match req.uri.as_str() {
-        "/seconds" => Reply {
-            status: 429,
-            retry_after: Some("120".into()),
-            delay: Duration::ZERO,
-        },
-        "/date" => Reply {
-            status: 503,
-            retry_after: Some(date.clone()),
-            delay: Duration::ZERO,
-        },
-        "/gone" => Reply::status(410),
-        "/hang" => Reply {
-            status: 204,
-            retry_after: None,
-            delay: Duration::from_secs(2),
-        },
-        _ => Reply::status(500),
+    // The virtual clock runs 30 days ahead of the host's: a Retry-After date must be read
+    // against the dispatcher's clock, or this one would look 30 days away.
+    clock.advance(30 * 86_400_000);
+    let sink = Sink::start({
+        let clock = clock.clone();
+        move |req, _| match req.uri.as_str() {
+            "/seconds" => Reply {
+                status: 429,
+                retry_after: Some("120".into()),
+                delay: Duration::ZERO,
+            },
+            "/date" => Reply {
+                status: 503,
+                retry_after: Some(http_date(clock.now_ms() + 300_000)),
+                delay: Duration::ZERO,
+            },
+            "/gone" => Reply::status(410),
+            "/hang" => Reply {
+                status: 204,
+                retry_after: None,
+                delay: Duration::from_secs(2),
+            },
+            _ => Reply::status(500),
+        }
     })
     .await;
     let closed = format!("http://127.0.0.1:{}/cb", support::redis::free_port());
@@ -511,9 +516,10 @@ async fn retry_after_gone_and_failures() {
         Some(now + 120_000),
         "Retry-After seconds"
     );
+    // HTTP dates have whole seconds: the date names `now + 300 s` rounded down.
     let by_date = recs[1].next_attempt_at.unwrap() - now;
     assert!(
-        (295_000..=301_000).contains(&by_date),
+        (299_000..=300_000).contains(&by_date),
         "Retry-After date: {by_date}"
     );
     assert_eq!(recs[2].state, MessageState::Dead, "410 stops at once");
@@ -528,6 +534,106 @@ async fn retry_after_gone_and_failures() {
             (500..=1_000).contains(&delay),
             "first retry after 0.5-1 s, got {delay}"
         );
+    }
+}
+
+fn http_date(at: i64) -> String {
+    httpdate::fmt_http_date(std::time::UNIX_EPOCH + Duration::from_millis(at as u64))
+}
+
+/// Walks a message that keeps failing through its retries on the virtual clock, stopping
+/// at the first attempt scheduled after `until` (or when it is finished).
+async fn walk_until(
+    server: &TestServer,
+    clock: &ManualClock,
+    d: &Arc<Dispatcher>,
+    id: &str,
+    until: i64,
+) -> MessageRecord {
+    d.tick().await;
+    loop {
+        let rec = record(server, id).await;
+        match rec.next_attempt_at {
+            Some(next) if rec.state == MessageState::Pending && next <= until => {
+                clock.set(next.max(clock.now_ms()));
+                d.tick().await;
+            }
+            _ => return rec,
+        }
+    }
+}
+
+#[tokio::test]
+async fn retry_after_zero_or_past_is_not_a_hot_loop() {
+    use callbackd::dispatch::schedule::{Backoff, Next, base_delay_ms, next_attempt};
+    let redis = RedisServer::start();
+    let (server, clock, d) = virtual_server(&redis.url(), |_| {}).await;
+    let backoff = Backoff {
+        initial_ms: server.app.config.dispatch.initial_backoff_ms,
+        max_ms: server.app.config.dispatch.max_backoff_secs * 1000,
+    };
+    let span: i64 = 3 * 3_600_000;
+    // Attempts in `span` by the pure schedule of a target that sends no Retry-After: jitter 0
+    // gives the fewest (every delay its full base), jitter 1 the most (every delay half it).
+    let walk = |jitter: f64| {
+        let (mut now, mut step, mut count) = (0, 0, 1);
+        while let Next::RetryAt(at) = next_attempt(backoff, step, now, span, jitter, None) {
+            if at >= span {
+                break;
+            }
+            (now, step, count) = (at, step + 1, count + 1);
+        }
+        count
+    };
+    let (fewest, most) = (walk(0.0), walk(1.0));
+    assert!(fewest >= 10 && most > fewest, "{fewest}..{most}");
+
+    for (payment, past) in [("p-ra-zero", false), ("p-ra-past", true)] {
+        // After `most + 5` answers the sink accepts, so a hot loop ends (and fails the
+        // count) instead of spinning inside one tick forever.
+        let sink = Sink::start({
+            let clock = clock.clone();
+            move |_, index| {
+                if index > most + 5 {
+                    return Reply::status(204);
+                }
+                let retry_after = if past {
+                    http_date(clock.now_ms() - 3_600_000)
+                } else {
+                    "0".to_string()
+                };
+                Reply {
+                    status: 503,
+                    retry_after: Some(retry_after),
+                    delay: Duration::ZERO,
+                }
+            }
+        })
+        .await;
+        let path = if past { "a past date" } else { "0" };
+        let start = clock.now_ms();
+        let id = server
+            .hand_off_id(&handoff(payment, "approved", &format!("{}/cb", sink.url)))
+            .await;
+        let rec = walk_until(&server, &clock, &d, &id, start + span - 1).await;
+        let attempts = sink.count();
+        assert!(
+            (fewest..=most).contains(&attempts),
+            "Retry-After {path}: {attempts} attempts in {span} ms; the schedule allows {fewest}..={most}"
+        );
+        assert_eq!(
+            rec.state,
+            MessageState::Pending,
+            "Retry-After {path}: still retrying"
+        );
+        for (step, pair) in rec.history.windows(2).enumerate() {
+            let gap = (pair[1].at - pair[0].at) as u64;
+            let base = base_delay_ms(backoff, step as u32);
+            assert!(
+                gap >= base - base / 2,
+                "Retry-After {path}: retry {step} came {gap} ms after the previous one; base {base}"
+            );
+        }
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::error::Error as _;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, UNIX_EPOCH};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 
@@ -28,7 +28,26 @@ pub struct AttemptResult {
     /// Error class when there was no HTTP status: `timeout`, `connect`, `refused_address`,
     /// `request`.
     pub error: Option<String>,
-    pub retry_after_ms: Option<u64>,
+    pub retry_after: Option<RetryAfter>,
+}
+
+/// A target's `Retry-After`, as it came: a delay, or an instant. An instant is resolved when
+/// the attempt is classified, against the dispatcher's clock (not the host's: on a virtual
+/// clock, or a host whose clock is off, the two differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryAfter {
+    DelayMs(u64),
+    At(Millis),
+}
+
+impl RetryAfter {
+    /// The delay it asks for at `now`; an instant in the past asks for none.
+    pub fn delay_ms(self, now: Millis) -> u64 {
+        match self {
+            RetryAfter::DelayMs(ms) => ms,
+            RetryAfter::At(at) => u64::try_from(at.saturating_sub(now)).unwrap_or(0),
+        }
+    }
 }
 
 /// What the store should do after an attempt, and why (for metrics).
@@ -67,7 +86,7 @@ pub fn classify(
             now,
             claimed.deadline,
             jitter,
-            result.retry_after_ms,
+            result.retry_after.map(|r| r.delay_ms(now)),
         ) {
             Next::RetryAt(at) => Verdict::Retry(at),
             Next::GiveUp => Verdict::Expired,
@@ -76,13 +95,16 @@ pub fn classify(
 }
 
 /// `Retry-After` as delay-seconds or an HTTP date.
-pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<u64> {
+pub fn parse_retry_after(value: &str) -> Option<RetryAfter> {
     let value = value.trim();
     if let Ok(secs) = value.parse::<u64>() {
-        return Some(secs.saturating_mul(1000));
+        return Some(RetryAfter::DelayMs(secs.saturating_mul(1000)));
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(now).unwrap_or(Duration::ZERO).as_millis() as u64)
+    let since_epoch = at.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    Some(RetryAfter::At(
+        i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX),
+    ))
 }
 
 /// Headers of one attempt: configured ones first, then ours, which win on a clash so the
@@ -146,7 +168,7 @@ pub async fn send(
     let failure = |class: &str| AttemptResult {
         status: None,
         error: Some(class.to_string()),
-        retry_after_ms: None,
+        retry_after: None,
     };
     let Ok(parsed) = reqwest::Url::parse(url) else {
         return failure("bad_url");
@@ -163,11 +185,11 @@ pub async fn send(
     match response {
         Ok(mut resp) => {
             let status = resp.status().as_u16();
-            let retry_after_ms = resp
+            let retry_after = resp
                 .headers()
                 .get(header::RETRY_AFTER)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| parse_retry_after(v, SystemTime::now()));
+                .and_then(parse_retry_after);
             let mut read = 0;
             while let Ok(Some(chunk)) = resp.chunk().await {
                 read += chunk.len();
@@ -178,7 +200,7 @@ pub async fn send(
             AttemptResult {
                 status: Some(status),
                 error: None,
-                retry_after_ms,
+                retry_after,
             }
         }
         Err(e) => failure(error_class(&e)),
@@ -239,7 +261,7 @@ mod tests {
         AttemptResult {
             status: Some(s),
             error: None,
-            retry_after_ms: None,
+            retry_after: None,
         }
     }
 
@@ -261,7 +283,7 @@ mod tests {
         let timeout = AttemptResult {
             status: None,
             error: Some("timeout".into()),
-            retry_after_ms: None,
+            retry_after: None,
         };
         assert_eq!(
             classify(&timeout, BACKOFF, &claimed(3, 100_000), 0, 0.0),
@@ -270,12 +292,33 @@ mod tests {
         let later = AttemptResult {
             status: Some(429),
             error: None,
-            retry_after_ms: Some(30_000),
+            retry_after: Some(RetryAfter::DelayMs(30_000)),
         };
         assert_eq!(
             classify(&later, BACKOFF, &c, 5, 0.0),
             Verdict::Retry(30_005)
         );
+        // A date is resolved against the `now` given (the dispatcher's clock), and one in the
+        // past or `Retry-After: 0` keeps the scheduled delay instead of retrying at once.
+        let date = AttemptResult {
+            retry_after: Some(RetryAfter::At(50_000)),
+            ..later.clone()
+        };
+        assert_eq!(
+            classify(&date, BACKOFF, &c, 20_000, 0.0),
+            Verdict::Retry(50_000)
+        );
+        for retry_after in [RetryAfter::At(1_000), RetryAfter::DelayMs(0)] {
+            let soon = AttemptResult {
+                retry_after: Some(retry_after),
+                ..later.clone()
+            };
+            assert_eq!(
+                classify(&soon, BACKOFF, &c, 20_000, 0.0),
+                Verdict::Retry(21_000),
+                "{retry_after:?}"
+            );
+        }
         assert_eq!(
             classify(&status(500), BACKOFF, &c, 100_000, 0.0),
             Verdict::Expired
@@ -284,13 +327,18 @@ mod tests {
 
     #[test]
     fn retry_after_forms() {
-        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
-        assert_eq!(parse_retry_after("120", now), Some(120_000));
-        let date = httpdate::fmt_http_date(now + Duration::from_secs(90));
-        assert_eq!(parse_retry_after(&date, now), Some(90_000));
-        let past = httpdate::fmt_http_date(now - Duration::from_secs(90));
-        assert_eq!(parse_retry_after(&past, now), Some(0));
-        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("120"), Some(RetryAfter::DelayMs(120_000)));
+        assert_eq!(parse_retry_after(" 0 "), Some(RetryAfter::DelayMs(0)));
+        let at = UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let date = httpdate::fmt_http_date(at);
+        assert_eq!(
+            parse_retry_after(&date),
+            Some(RetryAfter::At(1_000_000_000))
+        );
+        assert_eq!(RetryAfter::At(1_000_000_000).delay_ms(999_910_000), 90_000);
+        assert_eq!(RetryAfter::At(1_000_000_000).delay_ms(1_000_090_000), 0);
+        assert_eq!(parse_retry_after("soon"), None);
+        assert_eq!(parse_retry_after("-5"), None);
     }
 
     #[test]

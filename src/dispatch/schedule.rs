@@ -3,9 +3,12 @@
 //!
 //! delay(n) = min(max_backoff, initial × 2^n), jittered down by up to half ("equal jitter":
 //! retries of many messages that failed together spread out, and no delay is shorter than
-//! half its base). `Retry-After` from the target replaces the computed delay. No attempt is
-//! ever scheduled past the deadline; when the next one would be, the last attempt lands
-//! exactly at the deadline; after an attempt at or past the deadline, the message is dead.
+//! half its base). `Retry-After` from the target is a lower bound: it can push the next
+//! attempt later (up to [`MAX_RETRY_AFTER_MS`]) but never earlier than the schedule, so a
+//! receiver answering `Retry-After: 0` (or a date in the past) cannot turn retries into a hot
+//! loop. No attempt is ever scheduled past the deadline; when the next one would be, the last
+//! attempt lands exactly at the deadline; after an attempt at or past the deadline, the
+//! message is dead.
 
 use super::super::store::Millis;
 
@@ -14,6 +17,10 @@ pub struct Backoff {
     pub initial_ms: u64,
     pub max_ms: u64,
 }
+
+/// The most a target's `Retry-After` may postpone the next attempt: a receiver asking for a
+/// week of silence still gets one attempt a day until the deadline.
+pub const MAX_RETRY_AFTER_MS: u64 = 24 * 3_600_000;
 
 /// What to do after a failed attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,7 +42,8 @@ pub fn base_delay_ms(backoff: Backoff, step: u32) -> u64 {
 ///
 /// * `step` — failed attempts before this one (0 after the first failure);
 /// * `jitter` — a number in `[0, 1)` from the caller's RNG (0 = no jitter);
-/// * `retry_after_ms` — the target's `Retry-After`, when it sent one.
+/// * `retry_after_ms` — the target's `Retry-After` (already resolved against the caller's
+///   clock), when it sent one: the delay is `max(scheduled, min(retry_after, 24 h))`.
 pub fn next_attempt(
     backoff: Backoff,
     step: u32,
@@ -47,13 +55,11 @@ pub fn next_attempt(
     if now >= deadline {
         return Next::GiveUp;
     }
-    let delay = match retry_after_ms {
-        Some(ms) => ms,
-        None => {
-            let base = base_delay_ms(backoff, step);
-            base - (base as f64 * jitter.clamp(0.0, 1.0) / 2.0) as u64
-        }
-    };
+    let base = base_delay_ms(backoff, step);
+    let scheduled = base - (base as f64 * jitter.clamp(0.0, 1.0) / 2.0) as u64;
+    // Capping Retry-After (not the sum) keeps a configured `max_backoff` above 24 h intact.
+    let asked = retry_after_ms.map_or(0, |ms| ms.min(MAX_RETRY_AFTER_MS));
+    let delay = scheduled.max(asked);
     let at = now.saturating_add(i64::try_from(delay).unwrap_or(i64::MAX));
     Next::RetryAt(at.min(deadline))
 }
@@ -121,10 +127,19 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_wins_but_not_past_the_deadline() {
+    fn retry_after_postpones_but_not_past_the_deadline() {
         assert_eq!(
             next_attempt(DEFAULT, 0, 1_000, WEEK, 0.0, Some(120_000)),
             Next::RetryAt(121_000)
+        );
+        // Longer than the scheduled delay is honoured; 24 h is the most it may ask.
+        assert_eq!(
+            next_attempt(DEFAULT, 12, 0, WEEK, 0.0, Some(5 * 3_600_000)),
+            Next::RetryAt(5 * 3_600_000)
+        );
+        assert_eq!(
+            next_attempt(DEFAULT, 0, 0, WEEK, 0.0, Some(3 * 86_400_000)),
+            Next::RetryAt(MAX_RETRY_AFTER_MS as Millis)
         );
         assert_eq!(
             next_attempt(DEFAULT, 0, WEEK - 10, WEEK, 0.0, Some(120_000)),
@@ -134,6 +149,40 @@ mod tests {
             next_attempt(DEFAULT, 0, WEEK, WEEK, 0.0, None),
             Next::GiveUp
         );
+    }
+
+    #[test]
+    fn retry_after_never_shortens_the_schedule() {
+        for jitter in [0.0, 0.5, 0.999] {
+            for step in [0, 3, 12, 40] {
+                let scheduled = next_attempt(DEFAULT, step, 1_000, WEEK, jitter, None);
+                // `Retry-After: 0`, a date in the past (resolved to 0) and a short delay all
+                // keep the scheduled time.
+                for asked in [0, 1, 499] {
+                    assert_eq!(
+                        next_attempt(DEFAULT, step, 1_000, WEEK, jitter, Some(asked)),
+                        scheduled,
+                        "step {step}, jitter {jitter}, Retry-After {asked} ms"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn retry_after_zero_walks_the_plain_schedule() {
+        // A target that always answers `Retry-After: 0` is retried exactly as one that sends
+        // no Retry-After: the same 180 attempts over seven days, not a hot loop.
+        let mut now = 0;
+        let mut step = 0;
+        let mut times = vec![now];
+        while let Next::RetryAt(at) = next_attempt(DEFAULT, step, now, WEEK, 0.0, Some(0)) {
+            assert!(at > now, "time moves forward");
+            now = at;
+            times.push(now);
+            step += 1;
+        }
+        assert_eq!(times, attempts_until_dead(DEFAULT, WEEK, 0.0));
     }
 
     #[test]
