@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
@@ -33,6 +33,9 @@ pub struct App {
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Cancelled when shutdown begins, so `/readyz` turns 503 while requests are still served.
     pub shutting_down: CancellationToken,
+    /// One permit per byte of `server.max_buffered_bytes`: request bodies being read or
+    /// held by a handler take their size from it (see `http::read_body`).
+    pub body_budget: Arc<Semaphore>,
 }
 
 impl App {
@@ -60,6 +63,7 @@ impl App {
             );
         }
         Ok(App {
+            body_budget: Arc::new(Semaphore::new(config.server.max_buffered_bytes)),
             ssrf: SsrfGuard {
                 allow_private: config.dispatch.allow_private_networks,
             },

@@ -63,6 +63,11 @@ pub struct ServerConfig {
     pub header_timeout_secs: u64,
     /// Open connections beyond this wait in the kernel backlog instead of costing memory.
     pub max_connections: usize,
+    /// HTTP/2 requests open at once on one connection; more are refused (REFUSED_STREAM).
+    pub max_streams_per_connection: u32,
+    /// Request body bytes held in memory at once, all connections together. A body that
+    /// cannot get its share within a second is answered 503 + `Retry-After`.
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +79,8 @@ impl Default for ServerConfig {
             request_timeout_secs: 30,
             header_timeout_secs: 10,
             max_connections: 4096,
+            max_streams_per_connection: 32,
+            max_buffered_bytes: 64 * 1_048_576,
         }
     }
 }
@@ -320,11 +327,31 @@ impl Config {
                 self.server.header_timeout_secs,
             ),
             ("server.max_connections", self.server.max_connections as u64),
+            (
+                "server.max_streams_per_connection",
+                u64::from(self.server.max_streams_per_connection),
+            ),
             ("store.timeout_ms", self.store.timeout_ms),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than 0"));
             }
+        }
+        if self.server.max_buffered_bytes < self.server.max_body_bytes {
+            return Err(invalid(
+                "server.max_buffered_bytes",
+                format!(
+                    "must be at least server.max_body_bytes ({}), or a body of the largest \
+                     allowed size could never be read",
+                    self.server.max_body_bytes
+                ),
+            ));
+        }
+        if u32::try_from(self.server.max_buffered_bytes).is_err() {
+            return Err(invalid(
+                "server.max_buffered_bytes",
+                format!("must be at most {} (4 GiB - 1)", u32::MAX),
+            ));
         }
         if self.store.dedupe_ttl_secs == 0 {
             return Err(invalid("store.dedupe_ttl_secs", "must be greater than 0"));
@@ -568,6 +595,8 @@ mod tests {
         let c = load("", &[]).unwrap();
         assert_eq!(c.server.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(c.server.max_body_bytes, 1_048_576);
+        assert_eq!(c.server.max_streams_per_connection, 32);
+        assert_eq!(c.server.max_buffered_bytes, 64 * 1_048_576);
         assert_eq!(c.store.dedupe_ttl_secs, 2_592_000);
         assert_eq!(c.store.payment_retention_secs, 400 * 86_400);
         assert_eq!(c.store.sweep_interval_secs, 30);
@@ -623,6 +652,14 @@ mod tests {
             (
                 "[store]\nsweep_interval_secs = 0\n",
                 "store.sweep_interval_secs",
+            ),
+            (
+                "[server]\nmax_streams_per_connection = 0\n",
+                "server.max_streams_per_connection",
+            ),
+            (
+                "[server]\nmax_buffered_bytes = 1000\n",
+                "server.max_buffered_bytes",
             ),
             ("[dispatch]\nlease_secs = 10\n", "dispatch.lease_secs"),
             ("[sources.p]\nsignature = \"payzu\"\n", "sources.p.secrets"),

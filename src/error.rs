@@ -39,6 +39,8 @@ pub enum ApiError {
     Unavailable(#[source] StoreError),
     #[error("shutting down: send requests to another instance")]
     ShuttingDown,
+    #[error("too many request bodies are being received at once; retry")]
+    Busy,
 }
 
 impl ApiError {
@@ -67,6 +69,7 @@ impl ApiError {
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "in_progress"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
             ApiError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
+            ApiError::Busy => (StatusCode::SERVICE_UNAVAILABLE, "server_busy"),
         }
     }
 }

@@ -142,6 +142,7 @@ pub async fn serve(
             app.config.server.header_timeout_secs + app.config.server.request_timeout_secs,
         ),
         max_connections: app.config.server.max_connections,
+        max_streams_per_connection: app.config.server.max_streams_per_connection,
         grace,
     };
     http::server::serve(listener, http::router(app.clone()), http_shutdown, limits).await;

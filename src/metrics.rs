@@ -14,18 +14,19 @@ pub const RESENDS: &str = "callbackd_resends_total";
 pub const QUEUE_DEPTH: &str = "callbackd_queue_depth";
 pub const ACCEPT_SECONDS: &str = "callbackd_accept_duration_seconds";
 pub const DELIVERY_SECONDS: &str = "callbackd_delivery_duration_seconds";
+pub const BUFFERED_BYTES: &str = "callbackd_http_buffered_bytes";
 
 /// Every metric with its labels and meaning, for README's table and `/metrics` HELP lines.
-pub const CATALOGUE: [(&str, &str, &str); 9] = [
+pub const CATALOGUE: [(&str, &str, &str); 10] = [
     (
         CALLBACKS,
         "source, outcome",
-        "Provider callbacks by outcome: accepted, replayed, bad_signature, bad_request, too_large, unavailable",
+        "Provider callbacks by outcome: accepted, replayed, bad_signature, bad_request, too_large, unavailable, busy",
     ),
     (
         NOTIFICATIONS,
         "outcome",
-        "Connector hand-offs: accepted, replayed, invalid_transition, key_conflict, bad_request, unavailable",
+        "Connector hand-offs: accepted, replayed, invalid_transition, key_conflict, bad_request, unavailable, busy",
     ),
     (
         DELIVERIES,
@@ -54,6 +55,11 @@ pub const CATALOGUE: [(&str, &str, &str); 9] = [
         "kind",
         "Duration of one delivery attempt (HTTP round trip)",
     ),
+    (
+        BUFFERED_BYTES,
+        "",
+        "Request body bytes held in memory now, of server.max_buffered_bytes, at scrape time",
+    ),
 ];
 
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -74,7 +80,7 @@ pub fn handle() -> PrometheusHandle {
             // our handle renders only what we record through it, which is still correct.
             let _ = metrics::set_global_recorder(recorder);
             for (name, _, help) in CATALOGUE {
-                if name == QUEUE_DEPTH {
+                if name == QUEUE_DEPTH || name == BUFFERED_BYTES {
                     metrics::describe_gauge!(name, help);
                 } else if name.ends_with("_seconds") {
                     metrics::describe_histogram!(name, metrics::Unit::Seconds, help);

@@ -71,6 +71,7 @@ pub async fn receive(
         Err(ApiError::BadSignature(_)) => "bad_signature",
         Err(ApiError::TooLarge(_)) => "too_large",
         Err(ApiError::Unavailable(_)) => "unavailable",
+        Err(ApiError::Busy) => "busy",
         Err(ApiError::UnknownSource(_)) => "unknown_source",
         Err(_) => "bad_request",
     };

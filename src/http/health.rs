@@ -33,7 +33,7 @@ pub async fn readyz(State(app): State<Arc<App>>) -> Result<Json<Value>, ApiError
 }
 
 /// Prometheus text exposition. Queue depth is read from the store at scrape time (a few
-/// counters per partition, cheap).
+/// counters per partition, cheap), buffered body bytes from the budget.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text", content_type = "text/plain")), tag = "ops")]
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     if let Ok(depth) = app.store.depth().await {
@@ -45,6 +45,8 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
             metrics::gauge!(m::QUEUE_DEPTH, "state" => state).set(n as f64);
         }
     }
+    let held = app.config.server.max_buffered_bytes - app.body_budget.available_permits();
+    metrics::gauge!(m::BUFFERED_BYTES).set(held as f64);
     let mut response = app.metrics.render().into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -14,10 +14,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, HeaderValue, Request, header};
 use axum::routing::{get, post};
+use http_body_util::BodyExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
@@ -102,10 +104,69 @@ impl MakeRequestId for SequentialRequestId {
     }
 }
 
+/// How long a body waits for its share of `server.max_buffered_bytes` before the request is
+/// answered 503 + `Retry-After`: long enough to ride out a burst, short enough that a client
+/// is told to come back rather than held.
+const BUDGET_WAIT: Duration = Duration::from_secs(1);
+
+/// A request body in memory, holding its share of `server.max_buffered_bytes` until the
+/// handler drops it.
+#[derive(Debug)]
+pub struct BufferedBody {
+    bytes: Vec<u8>,
+    _share: Share,
+}
+
+impl std::ops::Deref for BufferedBody {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// Bytes taken from the global body budget; given back on drop.
+#[derive(Debug, Default)]
+struct Share(Option<OwnedSemaphorePermit>);
+
+impl Share {
+    fn size(&self) -> usize {
+        self.0.as_ref().map_or(0, |p| p.num_permits())
+    }
+
+    /// Grows the share to at least `bytes`, waiting up to [`BUDGET_WAIT`].
+    async fn grow_to(&mut self, budget: &Arc<Semaphore>, bytes: usize) -> Result<(), ApiError> {
+        let missing = bytes.saturating_sub(self.size());
+        if missing == 0 {
+            return Ok(());
+        }
+        // Config validation keeps the whole budget, hence any share of it, within u32.
+        let missing = u32::try_from(missing).map_err(|_| ApiError::Busy)?;
+        let more = tokio::time::timeout(BUDGET_WAIT, budget.clone().acquire_many_owned(missing))
+            .await
+            .map_err(|_| ApiError::Busy)?
+            .map_err(|_| ApiError::Busy)?;
+        match &mut self.0 {
+            Some(permit) => permit.merge(more),
+            None => self.0 = Some(more),
+        }
+        Ok(())
+    }
+}
+
 /// Reads a request body up to `server.max_body_bytes`: a declared or actual larger body is a
 /// 413 with a JSON error, and nothing is buffered past the limit. A body that trickles in
 /// slower than `server.request_timeout_secs` is a 408, so a slow client holds no handler.
-pub async fn read_body(app: &App, body: Body, headers: &HeaderMap) -> Result<Bytes, ApiError> {
+///
+/// Every byte held takes a permit of the global `server.max_buffered_bytes` budget first (the
+/// whole declared `Content-Length` at once, else chunk by chunk), so many connections times
+/// many HTTP/2 streams cannot buffer more than that together; a body that cannot get its
+/// share in time is answered 503 `server_busy` + `Retry-After`.
+pub async fn read_body(
+    app: &App,
+    body: Body,
+    headers: &HeaderMap,
+) -> Result<BufferedBody, ApiError> {
     let limit = app.config.server.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -114,23 +175,44 @@ pub async fn read_body(app: &App, body: Body, headers: &HeaderMap) -> Result<Byt
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(ApiError::TooLarge(limit));
     }
+    // Bounded by `limit` just above.
+    let declared = declared.map_or(0, |len| len as usize);
     let timeout_secs = app.config.server.request_timeout_secs;
-    let read = tokio::time::timeout(
+    tokio::time::timeout(
         Duration::from_secs(timeout_secs),
-        axum::body::to_bytes(body, limit),
+        collect(&app.body_budget, body, limit, declared),
     )
     .await
-    .map_err(|_| ApiError::RequestTimeout(timeout_secs))?;
-    read.map_err(|e| {
-        let inner = e.into_inner();
-        if inner
-            .downcast_ref::<http_body_util::LengthLimitError>()
-            .is_some()
-        {
-            ApiError::TooLarge(limit)
-        } else {
-            ApiError::bad_request("unreadable_body", format!("cannot read the body: {inner}"))
+    .map_err(|_| ApiError::RequestTimeout(timeout_secs))?
+}
+
+async fn collect(
+    budget: &Arc<Semaphore>,
+    mut body: Body,
+    limit: usize,
+    declared: usize,
+) -> Result<BufferedBody, ApiError> {
+    let mut share = Share::default();
+    share.grow_to(budget, declared).await?;
+    let mut bytes = Vec::with_capacity(declared);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            ApiError::bad_request("unreadable_body", format!("cannot read the body: {e}"))
+        })?;
+        // Trailers carry nothing the API reads.
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let len = bytes.len() + data.len();
+        if len > limit {
+            return Err(ApiError::TooLarge(limit));
         }
+        share.grow_to(budget, len).await?;
+        bytes.extend_from_slice(&data);
+    }
+    Ok(BufferedBody {
+        bytes,
+        _share: share,
     })
 }
 
@@ -159,4 +241,56 @@ pub fn raw_json(
         headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunked(sizes: &[usize]) -> Body {
+        let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+            sizes.iter().map(|&n| Ok(vec![b'x'; n])).collect();
+        Body::from_stream(futures::stream::iter(chunks))
+    }
+
+    #[tokio::test]
+    async fn a_body_without_length_takes_its_share_chunk_by_chunk() {
+        let budget = Arc::new(Semaphore::new(1000));
+        let body = collect(&budget, chunked(&[400, 400]), 1000, 0)
+            .await
+            .unwrap();
+        assert_eq!(body.len(), 800);
+        assert_eq!(budget.available_permits(), 200, "held while the body lives");
+        drop(body);
+        assert_eq!(budget.available_permits(), 1000);
+    }
+
+    #[tokio::test]
+    async fn a_body_that_outgrows_the_budget_is_busy_and_gives_its_share_back() {
+        let budget = Arc::new(Semaphore::new(1000));
+        let other = budget.clone().acquire_many_owned(500).await.unwrap();
+        let result = collect(&budget, chunked(&[400, 400]), 1000, 0).await;
+        assert!(matches!(result, Err(ApiError::Busy)), "{result:?}");
+        assert_eq!(
+            budget.available_permits(),
+            500,
+            "the first chunk's share is back"
+        );
+        drop(other);
+        // A declared length is taken whole before a byte is read.
+        let held = collect(&budget, chunked(&[10]), 1000, 900).await.unwrap();
+        assert_eq!(budget.available_permits(), 100);
+        drop(held);
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_too_large() {
+        let budget = Arc::new(Semaphore::new(10_000));
+        let result = collect(&budget, chunked(&[600, 600]), 1000, 0).await;
+        assert!(
+            matches!(result, Err(ApiError::TooLarge(1000))),
+            "{result:?}"
+        );
+        assert_eq!(budget.available_permits(), 10_000);
+    }
 }

@@ -112,6 +112,7 @@ pub async fn hand_off(
         Err(ApiError::InvalidTransition { .. }) => "invalid_transition",
         Err(ApiError::IdempotencyMismatch) => "key_conflict",
         Err(ApiError::Unavailable(_)) => "unavailable",
+        Err(ApiError::Busy) => "busy",
         Err(ApiError::Unauthorized(_) | ApiError::Forbidden) => "unauthorized",
         Err(_) => "bad_request",
     };

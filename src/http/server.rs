@@ -1,7 +1,13 @@
 //! The HTTP accept loop. `axum::serve` has no header read timeout and no connection limit,
 //! and a payment endpoint on the internet needs both: a slowloris client that trickles its
 //! headers must be cut off, and a flood of idle connections must not cost unbounded memory.
+//!
+//! A connection is idle when it has no request in flight, whatever frames still cross it: an
+//! HTTP/2 client that only sends or answers PINGs (or SETTINGS, WINDOW_UPDATEs) holds a
+//! connection slot, so idleness is judged by requests, not bytes, and such a connection is
+//! closed after the same limit as a silent one.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -10,31 +16,38 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, Response};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// A client must send its request headers within this time.
     pub header_timeout: Duration,
-    /// A connection on which nothing is read or written for this long is closed, so one
-    /// that never sends a byte (or idles after a response) cannot hold a slot forever.
+    /// A connection with no request in flight for this long is closed, so one that never
+    /// sends a byte, idles after a response, or only exchanges HTTP/2 PINGs cannot hold a
+    /// slot forever.
     pub idle_timeout: Duration,
     /// Connections served at once; further ones wait in the kernel's accept backlog.
     pub max_connections: usize,
+    /// HTTP/2 streams (requests) open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS;
+    /// a client opening more gets REFUSED_STREAM).
+    pub max_streams_per_connection: u32,
     /// After shutdown, how long open connections get to finish their requests.
     pub grace: Duration,
 }
 
 /// Serves `router` until `shutdown`, then stops accepting and lets open requests finish
-/// within `limits.grace`.
+/// within `limits.grace`; connections still open then are dropped.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -49,8 +62,10 @@ pub async fn serve(
     builder
         .http2()
         .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.max_streams_per_connection)
         .keep_alive_interval(Some(Duration::from_secs(30)));
-    let graceful = GracefulShutdown::new();
+    let connections = TaskTracker::new();
+    let force_close = CancellationToken::new();
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {
         let permit = tokio::select! {
@@ -73,29 +88,118 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
+        let (in_flight, requests) = watch::channel(0usize);
+        let service = Tracked {
+            inner: TowerToHyperService::new(router.clone()),
+            in_flight: Arc::new(in_flight),
+        };
         let stream = IdleTimeout::new(stream, limits.idle_timeout);
         let connection = builder
             .serve_connection_with_upgrades(TokioIo::new(stream), service)
             .into_owned();
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "connection ended with an error");
+        let shutdown = shutdown.clone();
+        let force_close = force_close.clone();
+        connections.spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            let mut requests = requests;
+            let mut closing = false;
+            // After an idle close begins, an HTTP/2 client that never completes the GOAWAY
+            // handshake must not keep the connection open past one more idle limit.
+            let mut give_up: Option<Pin<Box<Sleep>>> = None;
+            loop {
+                tokio::select! {
+                    result = connection.as_mut() => {
+                        if let Err(e) = result {
+                            tracing::debug!(error = %e, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    // Shutdown bounds the close with `grace`, then `force_close`.
+                    _ = shutdown.cancelled(), if !closing => {
+                        connection.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                    _ = idle_for(&mut requests, limits.idle_timeout), if !closing => {
+                        connection.as_mut().graceful_shutdown();
+                        closing = true;
+                        give_up = Some(Box::pin(tokio::time::sleep(limits.idle_timeout)));
+                    }
+                    _ = async { give_up.as_mut().expect("guarded").await }, if give_up.is_some() => break,
+                    _ = force_close.cancelled() => break,
+                }
             }
             drop(permit);
         });
     }
     drop(listener);
-    if tokio::time::timeout(limits.grace, graceful.shutdown())
+    connections.close();
+    if tokio::time::timeout(limits.grace, connections.wait())
         .await
         .is_err()
     {
         tracing::warn!("connections still open after the grace period; closing them");
+        force_close.cancel();
+        connections.wait().await;
     }
 }
 
-/// Fails reads once the connection has been silent in both directions for `timeout`.
+/// Returns once no request has been in flight on the connection for `limit`. Every request
+/// that starts or ends restarts the count.
+async fn idle_for(requests: &mut watch::Receiver<usize>, limit: Duration) {
+    loop {
+        let busy = *requests.borrow_and_update() > 0;
+        let changed = async {
+            if requests.changed().await.is_err() {
+                // The service is gone, so is the connection: its own future ends the loop.
+                std::future::pending::<()>().await;
+            }
+        };
+        if busy {
+            changed.await;
+        } else {
+            tokio::select! {
+                _ = tokio::time::sleep(limit) => return,
+                _ = changed => {}
+            }
+        }
+    }
+}
+
+/// The router, counting the requests in flight on its connection for [`idle_for`].
+#[derive(Clone)]
+struct Tracked {
+    inner: TowerToHyperService<Router>,
+    in_flight: Arc<watch::Sender<usize>>,
+}
+
+/// Counts a request as in flight until its handler answers (or is dropped).
+struct InFlight(Arc<watch::Sender<usize>>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+impl hyper::service::Service<Request<Incoming>> for Tracked {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        self.in_flight.send_modify(|n| *n += 1);
+        let guard = InFlight(self.in_flight.clone());
+        let future = self.inner.call(req);
+        Box::pin(async move {
+            let response = future.await;
+            drop(guard);
+            response
+        })
+    }
+}
+
+/// Fails reads once the connection has been silent in both directions for `timeout`: the
+/// backstop for a request stuck with a peer that neither sends nor reads.
 struct IdleTimeout<S> {
     inner: S,
     timeout: Duration,
