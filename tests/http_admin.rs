@@ -357,6 +357,280 @@ async fn resend_of_a_pending_message_keeps_its_schedule() {
     assert_eq!(v["state"], "pending");
 }
 
+/// Resend marks of `requestId` in a message's history, read from the store.
+async fn marks_of(store: &dyn callbackd::store::Store, id: &str, request_id: &str) -> usize {
+    let id = callbackd::store::MessageId::parse(id).unwrap();
+    let record = store.get(&id).await.unwrap().expect("message exists");
+    record
+        .history
+        .iter()
+        .filter(|a| a.kind == "resend" && a.request_id.as_deref() == Some(request_id))
+        .count()
+}
+
+/// Repeats a resend until its `requestId` has an answer (409 while it runs).
+async fn recorded_answer(
+    client: &reqwest::Client,
+    base: &str,
+    body: &Value,
+) -> (reqwest::header::HeaderMap, String) {
+    eventually(30, "the resend's answer is recorded", || async {
+        let r = client
+            .post(format!("{base}/v1/admin/resend"))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(body)
+            .send()
+            .await
+            .ok()?;
+        if r.status() == 409 {
+            return None;
+        }
+        assert_eq!(r.status(), 200, "a repeat gets the recorded answer");
+        Some((r.headers().clone(), r.text().await.unwrap()))
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_request_id_reused_with_another_selection_is_422() {
+    let redis = RedisServer::start();
+    let (server, _clock, _d) = virtual_server(&redis.url(), |_| {}).await;
+    let sink = Sink::ok().await;
+    let url = format!("{}/cb", sink.url);
+    let a = server
+        .hand_off_id(&handoff("reuse-a", "approved", &url))
+        .await;
+    let b = server
+        .hand_off_id(&handoff("reuse-b", "approved", &url))
+        .await;
+
+    let first = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [a], "requestId": "op-reuse"}),
+        )
+        .await;
+    assert_eq!(first.status(), 200);
+    let first = first.text().await.unwrap();
+
+    let other = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [b], "requestId": "op-reuse"}),
+        )
+        .await;
+    assert_eq!(other.status(), 422);
+    let error: Value = other.json().await.unwrap();
+    assert_eq!(error["error"], "idempotency_key_reused", "{error}");
+    let store = &*server.app.store;
+    assert_eq!(marks_of(store, &b, "op-reuse").await, 0, "b was not resent");
+
+    // The same selection written differently (a repeated id) is the same request.
+    let same = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"requestId": "op-reuse", "messageIds": [a, a]}),
+        )
+        .await;
+    assert_eq!(same.status(), 200);
+    assert_eq!(same.headers()["idempotent-replayed"], "true");
+    assert_eq!(same.text().await.unwrap(), first);
+    assert_eq!(marks_of(store, &a, "op-reuse").await, 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_does_not_leave_its_resend_half_done() {
+    let redis = RedisServer::start();
+    // One connection at a time: once a fresh request is served, the server has dropped the
+    // connection (and, before the fix, the handler) of the client that hung up.
+    let (server, _clock, _d) = virtual_server(&redis.url(), |c| c.server.max_connections = 1).await;
+    let once = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let sink = Sink::ok().await;
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        let r: Value = once
+            .post(format!("{}/v1/notifications", server.url))
+            .bearer_auth(CONNECTOR_TOKEN)
+            .json(&handoff(
+                &format!("hang-{i}"),
+                "approved",
+                &format!("{}/cb", sink.url),
+            ))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ids.push(r["notificationId"].as_str().unwrap().to_string());
+    }
+    // Listed in id order, which is acceptance order only across milliseconds.
+    ids.sort();
+    let from = callbackd::clock::format_iso(
+        callbackd::store::MessageId::parse(&ids[0])
+            .unwrap()
+            .created_at(),
+    );
+    let request = json!({"createdAtFrom": from, "requestId": "op-hangup"});
+
+    // Writes wait, so the resend is stuck on the store when its client hangs up.
+    assert_eq!(redis.cli(&["client", "pause", "60000", "write"]), "OK");
+    let body = request.to_string();
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let mut hung = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(
+        &mut hung,
+        format!(
+            "POST /v1/admin/resend HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    eventually(10, "the resend waits on a paused write", || async {
+        let clients = redis.cli(&["client", "list"]);
+        clients
+            .lines()
+            .any(|l| l.contains("flags=b") && l.contains("cmd=set"))
+            .then_some(())
+    })
+    .await;
+    drop(hung);
+    let served = once
+        .get(format!("{}/healthz", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(served.status(), 200, "the hung-up connection is gone");
+    assert_eq!(redis.cli(&["client", "unpause"]), "OK");
+
+    let (headers, answer) = recorded_answer(&once, &server.url, &request).await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(answer["messageIds"], json!(ids), "the whole walk ran");
+    assert_eq!(answer["incomplete"], false);
+    let store = &*server.app.store;
+    for id in &ids {
+        assert_eq!(
+            marks_of(store, id, "op-hangup").await,
+            1,
+            "{id} resent once"
+        );
+    }
+
+    // Its record lost (a process that died before recording, then the reservation lapsed):
+    // the same requestId walks again but resends nothing twice.
+    let key = redis.cli(&["--scan", "--pattern", "cb:op:*"]);
+    assert_eq!(redis.cli(&["del", key.trim()]), "1");
+    let again = once
+        .post(format!("{}/v1/admin/resend", server.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200);
+    assert!(again.headers().get("idempotent-replayed").is_none());
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(again["messageIds"], json!(ids));
+    for id in &ids {
+        assert_eq!(
+            marks_of(store, id, "op-hangup").await,
+            1,
+            "{id} not resent again"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_store_failure_part_way_is_recorded_and_never_resent_twice() {
+    use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cb.db");
+    let mut cfg = config(&format!("sqlite://{}", path.display()), None);
+    cfg.dispatch.enabled = false;
+    let store = Arc::new(SqliteStore::open_with(&path, 3600, SqliteOptions::default()).unwrap());
+    let app = Arc::new(
+        callbackd::app::App::new(cfg, store.clone(), Arc::new(callbackd::clock::SystemClock))
+            .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let serving = tokio::spawn(callbackd::serve(app, listener, shutdown.clone()));
+    let client = reqwest::Client::new();
+    let sink = Sink::ok().await;
+    let mut ids = Vec::new();
+    for i in 0..200 {
+        let r: Value = client
+            .post(format!("{base}/v1/notifications"))
+            .bearer_auth(CONNECTOR_TOKEN)
+            .json(&handoff(
+                &format!("full-{i}"),
+                "approved",
+                &format!("{}/cb", sink.url),
+            ))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ids.push(r["notificationId"].as_str().unwrap().to_string());
+    }
+    let from = callbackd::clock::format_iso(
+        callbackd::store::MessageId::parse(&ids[0])
+            .unwrap()
+            .created_at(),
+    );
+    let request = json!({"createdAtFrom": from, "requestId": "op-full"});
+
+    // The disk fills up part-way through the walk.
+    store.set_max_page_count(1).await.unwrap();
+    let failed = client
+        .post(format!("{base}/v1/admin/resend"))
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 503);
+    assert!(failed.headers().contains_key("retry-after"));
+    assert_eq!(
+        failed.json::<Value>().await.unwrap()["error"],
+        "store_unavailable"
+    );
+
+    // Space again: the repeat gets the partial answer that was recorded, and resends nothing.
+    store.set_max_page_count(1 << 30).await.unwrap();
+    let (headers, answer) = recorded_answer(&client, &base, &request).await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(answer["incomplete"], true, "{answer}");
+    let listed: HashSet<&str> = answer["messageIds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(answer["resent"], listed.len());
+    assert!(listed.len() < ids.len(), "the disk filled part-way");
+    for id in &ids {
+        let expected = usize::from(listed.contains(id.as_str()));
+        assert_eq!(marks_of(&*store, id, "op-full").await, expected, "{id}");
+    }
+    let (_, again) = recorded_answer(&client, &base, &request).await;
+    assert_eq!(serde_json::from_str::<Value>(&again).unwrap(), answer);
+    shutdown.cancel();
+    let _ = serving.await;
+}
+
 #[tokio::test]
 async fn roles_on_admin_routes() {
     let redis = RedisServer::start();

@@ -154,6 +154,8 @@ contract!(
     history_rows_are_kept_in_order,
     depth_counts_pending_in_flight_and_dead,
     operations_are_reserved_then_finished,
+    an_operation_reused_with_another_fingerprint_is_a_mismatch,
+    a_partial_answer_is_recorded_even_without_a_live_reservation,
     get_of_an_unknown_id_is_none,
     payment_state_outlives_its_dedupe_claims_then_ends_with_its_own_retention,
     an_expired_claim_is_a_new_event,
@@ -1256,25 +1258,74 @@ async fn depth_counts_pending_in_flight_and_dead(h: &Harness) {
 async fn operations_are_reserved_then_finished(h: &Harness) {
     let s = h.s();
     assert_eq!(
-        s.reserve_operation("req-1", 60).await.unwrap(),
+        s.reserve_operation("req-1", "fp-a", 60).await.unwrap(),
         OperationReservation::Fresh
     );
     assert_eq!(
-        s.reserve_operation("req-1", 60).await.unwrap(),
+        s.reserve_operation("req-1", "fp-a", 60).await.unwrap(),
         OperationReservation::InProgress
     );
-    s.finish_operation("req-1", r#"{"resent":2}"#, 60)
+    s.finish_operation("req-1", "fp-a", r#"{"resent":2}"#, 60)
         .await
         .unwrap();
     assert_eq!(
-        s.reserve_operation("req-1", 60).await.unwrap(),
+        s.reserve_operation("req-1", "fp-a", 60).await.unwrap(),
         OperationReservation::Done(r#"{"resent":2}"#.into())
     );
     assert_eq!(
-        s.reserve_operation("req-2", 60).await.unwrap(),
+        s.reserve_operation("req-2", "fp-a", 60).await.unwrap(),
         OperationReservation::Fresh
     );
     s.ping().await.unwrap();
+}
+
+async fn an_operation_reused_with_another_fingerprint_is_a_mismatch(h: &Harness) {
+    let s = h.s();
+    s.reserve_operation("req-1", "fp-a", 60).await.unwrap();
+    // While it runs, and once it is done, another request body under the same id is refused
+    // and changes nothing.
+    assert_eq!(
+        s.reserve_operation("req-1", "fp-b", 60).await.unwrap(),
+        OperationReservation::Mismatch
+    );
+    assert_eq!(
+        s.reserve_operation("req-1", "fp-a", 60).await.unwrap(),
+        OperationReservation::InProgress
+    );
+    s.finish_operation("req-1", "fp-a", r#"{"resent":1}"#, 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.reserve_operation("req-1", "fp-b", 60).await.unwrap(),
+        OperationReservation::Mismatch
+    );
+    assert_eq!(
+        s.reserve_operation("req-1", "fp-a", 60).await.unwrap(),
+        OperationReservation::Done(r#"{"resent":1}"#.into())
+    );
+}
+
+async fn a_partial_answer_is_recorded_even_without_a_live_reservation(h: &Harness) {
+    let s = h.s();
+    // The resend path after a store error: its reservation may have lapsed by the time the
+    // store takes writes again; recording the (partial) answer must still stick, so the same
+    // id never walks again.
+    let partial = r#"{"resent":1,"messageIds":["m"],"more":false,"incomplete":true}"#;
+    s.finish_operation("req-lapsed", "fp-a", partial, 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.reserve_operation("req-lapsed", "fp-a", 60).await.unwrap(),
+        OperationReservation::Done(partial.into())
+    );
+    // Recording again (a retried write that had landed) keeps one answer.
+    s.finish_operation("req-lapsed", "fp-a", partial, 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.reserve_operation("req-lapsed", "fp-a", 60).await.unwrap(),
+        OperationReservation::Done(partial.into())
+    );
 }
 
 async fn get_of_an_unknown_id_is_none(h: &Harness) {

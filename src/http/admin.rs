@@ -1,8 +1,9 @@
 //! Operator routes: inspect messages and their attempts, list with filters and a stable
 //! cursor, resend (like PayZu's `POST /user/callbacks/resend`, idempotent with `requestId`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Json;
 use axum::body::Body;
@@ -12,18 +13,20 @@ use axum::response::Response;
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokio::sync::oneshot;
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::{Role, require};
 use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::clock::{RFC3339_FORMS, format_iso, parse_rfc3339};
+use crate::digest::short_hash;
 use crate::error::{ApiError, ErrorBody};
 use crate::metrics as m;
 use crate::payment;
 use crate::store::{
     Attempt, ListFilter, MessageId, MessageKind, MessageRecord, MessageState, OperationReservation,
-    ResendEffect,
+    ResendEffect, StoreError,
 };
 
 const DEFAULT_LIMIT: usize = 100;
@@ -34,8 +37,11 @@ const MAX_RESEND: usize = 10_000;
 const MAX_RESEND_IDS: usize = 1000;
 /// Page size used to walk a resend selection.
 const RESEND_BATCH: usize = 500;
-/// How long a resend `requestId` is held while its resend runs.
+/// How long a resend `requestId` is held while its resend runs: a walk of at most
+/// [`MAX_RESEND`] messages takes seconds.
 const RESEND_RESERVATION_SECS: u64 = 300;
+/// Longest pause between attempts to record a resend's answer while the store refuses it.
+const RECORD_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// A message as operators see it. Header values are redacted: they carry gateway tokens.
 #[derive(Debug, Serialize, ToSchema)]
@@ -313,7 +319,8 @@ pub struct ResendRequest {
     /// Narrows a selection.
     #[schema(value_type = Option<MessageState>)]
     pub state: Option<String>,
-    /// Makes the resend idempotent: the same id returns the stored answer and resends nothing.
+    /// Makes the resend idempotent: the same id returns the recorded answer and resends
+    /// nothing; reused with a different selection it is a 422.
     pub request_id: Option<String>,
 }
 
@@ -324,10 +331,31 @@ pub struct ResendAnswer {
     pub message_ids: Vec<String>,
     /// True when the selection had more than one request may resend: narrow it and repeat.
     pub more: bool,
+    /// True when the resend stopped part-way on a store error (the request itself got a 503):
+    /// the messages listed were resent, the rest of the selection was not. This is the answer
+    /// its `requestId` keeps; resend the rest with a new `requestId`.
+    pub incomplete: bool,
+}
+
+/// What one resend request touches.
+enum Targets {
+    Ids(Vec<MessageId>),
+    Selection(ListFilter),
+}
+
+/// A resend `requestId`, with the fingerprint of the request that uses it.
+struct Operation {
+    key: String,
+    request_id: String,
+    fingerprint: String,
 }
 
 /// Resend messages: deliver them once more (a finished one gets a fresh window; a pending one
 /// keeps its schedule). Every resend is recorded in the message's attempts.
+///
+/// The walk runs detached from the request: a client that hangs up does not leave it
+/// half-done. With a `requestId`, its answer (final, or partial after a store error) is
+/// recorded on every path, so the same `requestId` never resends anything twice.
 #[utoipa::path(
     post,
     path = "/v1/admin/resend",
@@ -338,7 +366,8 @@ pub struct ResendAnswer {
         (status = 400, description = "No selector, or a bad one", body = ErrorBody),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 409, description = "The same requestId is still running", body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 422, description = "The requestId was used with a different request body", body = ErrorBody),
+        (status = 503, description = "The store failed; with a requestId, repeat it to get what was resent", body = ErrorBody),
     ),
     security(("bearer" = [])),
     tag = "ops"
@@ -352,6 +381,7 @@ pub async fn resend(
     let bytes = read_body(&app, body, &headers).await?;
     let req: ResendRequest = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request("invalid_request", format!("resend body: {e}")))?;
+    drop(bytes);
     let ids = req
         .message_ids
         .as_ref()
@@ -383,42 +413,160 @@ pub async fn resend(
             "give `messageIds`, `paymentId`, `transactionId` or a `createdAtFrom`/`createdAtTo` window",
         ));
     }
+    let operation = req.request_id.clone().map(|request_id| Operation {
+        key: format!("resend\n{request_id}"),
+        fingerprint: fingerprint(&req, &filter),
+        request_id,
+    });
+    let targets = match ids {
+        Some(ids) => Targets::Ids(ids),
+        None => Targets::Selection(filter),
+    };
 
-    let operation = req.request_id.as_ref().map(|r| format!("resend\n{r}"));
+    let (answer, walked) = oneshot::channel();
+    tokio::spawn(run_resend(app.clone(), targets, operation, answer));
+    let (body, replayed) = walked.await.map_err(|_| {
+        ApiError::Unavailable(StoreError::Unavailable(
+            "the resend ended without an answer".into(),
+        ))
+    })??;
+    Ok(raw_json(StatusCode::OK, body, replayed))
+}
+
+/// Hash of the request as it selects: ids as a set, times as instants, `requestId` left out,
+/// so the same selection written differently is the same request.
+fn fingerprint(req: &ResendRequest, filter: &ListFilter) -> String {
+    let ids = req
+        .message_ids
+        .as_ref()
+        .map(|ids| ids.iter().collect::<BTreeSet<_>>());
+    let normalised = serde_json::json!({
+        "messageIds": ids,
+        "paymentId": req.payment_id,
+        "transactionId": req.transaction_id,
+        "source": req.source,
+        "state": req.state,
+        "createdFrom": filter.created_from,
+        "createdTo": filter.created_to,
+    });
+    short_hash(normalised.to_string().as_bytes())
+}
+
+type ResendResult = Result<(String, bool), ApiError>;
+
+/// Reserves the `requestId`, walks the targets and records the answer, sending the request
+/// its answer once the first attempt to record it is made. It runs to the end whether or not
+/// anyone still waits for that answer.
+async fn run_resend(
+    app: Arc<App>,
+    targets: Targets,
+    operation: Option<Operation>,
+    answer: oneshot::Sender<ResendResult>,
+) {
     if let Some(op) = &operation {
-        match app
+        let reserved = app
             .store
-            .reserve_operation(op, RESEND_RESERVATION_SECS)
-            .await?
-        {
-            OperationReservation::Fresh => {}
-            OperationReservation::Done(answer) => {
-                return Ok(raw_json(StatusCode::OK, answer, true));
-            }
-            OperationReservation::InProgress => {
-                return Err(ApiError::Conflict(
-                    "a resend with this requestId is still running".into(),
-                ));
-            }
+            .reserve_operation(&op.key, &op.fingerprint, RESEND_RESERVATION_SECS)
+            .await;
+        let early = match reserved {
+            Ok(OperationReservation::Fresh) => None,
+            Ok(OperationReservation::Done(recorded)) => Some(Ok((recorded, true))),
+            Ok(OperationReservation::InProgress) => Some(Err(ApiError::Conflict(
+                "a resend with this requestId is still running".into(),
+            ))),
+            Ok(OperationReservation::Mismatch) => Some(Err(ApiError::IdempotencyMismatch)),
+            Err(e) => Some(Err(ApiError::Unavailable(e))),
+        };
+        if let Some(early) = early {
+            let _ = answer.send(early);
+            return;
         }
     }
 
-    let answer = match ids {
-        Some(ids) => resend_ids(&app, &ids, req.request_id.as_deref()).await?,
-        None => resend_selection(&app, filter, req.request_id.as_deref()).await?,
+    let request_id = operation.as_ref().map(|op| op.request_id.as_str());
+    let mut resent = Vec::new();
+    let walked = match targets {
+        Targets::Ids(ids) => resend_ids(&app, &ids, request_id, &mut resent)
+            .await
+            .map(|()| false),
+        Targets::Selection(filter) => resend_selection(&app, filter, request_id, &mut resent).await,
     };
-    let body = serde_json::to_string(&answer)
-        .map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?;
-    if let Some(op) = &operation {
-        app.store
-            .finish_operation(op, &body, app.config.store.dedupe_ttl_secs)
-            .await?;
+    if !resent.is_empty() {
+        app.wake.notify_one();
     }
-    app.wake.notify_one();
-    Ok(raw_json(StatusCode::OK, body, false))
+    let result = ResendAnswer {
+        resent: resent.len(),
+        message_ids: resent,
+        more: walked.as_ref().is_ok_and(|more| *more),
+        incomplete: walked.is_err(),
+    };
+    let body = match serde_json::to_string(&result) {
+        Ok(body) => body,
+        Err(e) => {
+            let _ = answer.send(Err(ApiError::bad_request("invalid_request", e.to_string())));
+            return;
+        }
+    };
+    let Some(op) = operation else {
+        let _ = answer.send(walked.map(|_| (body, false)));
+        return;
+    };
+    let ttl = app.config.store.dedupe_ttl_secs;
+    match app
+        .store
+        .finish_operation(&op.key, &op.fingerprint, &body, ttl)
+        .await
+    {
+        Ok(()) => {
+            let _ = answer.send(walked.map(|_| (body, false)));
+        }
+        Err(e) => {
+            // The client is told to retry now; its retry gets 409 until the answer is in.
+            let _ = answer.send(Err(ApiError::Unavailable(e)));
+            keep_recording(&app, &op, &body, ttl).await;
+        }
+    }
+}
+
+/// Retries recording a resend's answer while its reservation lasts. If the store stays down
+/// longer, the reservation lapses and a repeat walks again, but every message this walk
+/// resent carries its `requestId` mark, and `resend_one` does not resend those twice.
+async fn keep_recording(app: &App, op: &Operation, body: &str, ttl: u64) {
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(RESEND_RESERVATION_SECS);
+    let mut delay = Duration::from_millis(100);
+    while tokio::time::Instant::now() < give_up {
+        tokio::time::sleep(delay).await;
+        match app
+            .store
+            .finish_operation(&op.key, &op.fingerprint, body, ttl)
+            .await
+        {
+            Ok(()) => return,
+            Err(e) => tracing::warn!(error = %e, "cannot record the resend's answer yet"),
+        }
+        delay = (delay * 2).min(RECORD_RETRY_MAX);
+    }
+    tracing::error!(
+        request_id = %op.request_id,
+        "gave up recording the resend's answer; a repeat of this requestId walks again but \
+         skips the messages it already resent"
+    );
 }
 
 async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Result<bool, ApiError> {
+    if let Some(request_id) = request_id {
+        // A walk of this requestId whose answer was never recorded (its process died, or the
+        // store stayed down past the reservation) may have resent this one already.
+        let already = app.store.get(id).await?.is_some_and(|record| {
+            record
+                .history
+                .iter()
+                .any(|a| a.kind == "resend" && a.request_id.as_deref() == Some(request_id))
+        });
+        if already {
+            return Ok(true);
+        }
+    }
     let now = app.clock.now_ms();
     let mark = Attempt {
         kind: "resend".into(),
@@ -443,40 +591,35 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
     Ok(effect != ResendEffect::Skipped)
 }
 
+/// Resends `ids` in order, pushing each one resent onto `resent` as it goes, so a failure
+/// part-way leaves the list of what was done.
 async fn resend_ids(
     app: &App,
     ids: &[MessageId],
     request_id: Option<&str>,
-) -> Result<ResendAnswer, ApiError> {
-    let mut resent = Vec::new();
+    resent: &mut Vec<String>,
+) -> Result<(), ApiError> {
     for id in ids {
         if resend_one(app, id, request_id).await? {
             resent.push(id.to_string());
         }
     }
-    Ok(ResendAnswer {
-        resent: resent.len(),
-        message_ids: resent,
-        more: false,
-    })
+    Ok(())
 }
 
+/// Like [`resend_ids`] over a selection; returns whether it stopped at [`MAX_RESEND`].
 async fn resend_selection(
     app: &App,
     mut filter: ListFilter,
     request_id: Option<&str>,
-) -> Result<ResendAnswer, ApiError> {
+    resent: &mut Vec<String>,
+) -> Result<bool, ApiError> {
     filter.limit = RESEND_BATCH;
-    let mut resent = Vec::new();
     loop {
         let page = app.store.list(&filter).await?;
         for record in page.messages {
             if resent.len() >= MAX_RESEND {
-                return Ok(ResendAnswer {
-                    resent: resent.len(),
-                    message_ids: resent,
-                    more: true,
-                });
+                return Ok(true);
             }
             if resend_one(app, &record.message.id, request_id).await? {
                 resent.push(record.message.id.to_string());
@@ -484,12 +627,7 @@ async fn resend_selection(
         }
         match page.next_after {
             Some(after) => filter.after = Some(after),
-            None => break,
+            None => return Ok(false),
         }
     }
-    Ok(ResendAnswer {
-        resent: resent.len(),
-        message_ids: resent,
-        more: false,
-    })
 }

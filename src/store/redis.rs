@@ -750,13 +750,14 @@ impl Store for RedisStore {
     async fn reserve_operation(
         &self,
         key: &str,
+        fingerprint: &str,
         ttl_secs: u64,
     ) -> Result<OperationReservation, StoreError> {
         let key = operation_key(key);
         let mut conn = self.conn.clone();
         let set: Option<String> = redis::cmd("SET")
             .arg(&key)
-            .arg("P")
+            .arg(super::encode_running_operation(fingerprint))
             .arg("NX")
             .arg("EX")
             .arg(ttl_secs)
@@ -767,22 +768,27 @@ impl Store for RedisStore {
             return Ok(OperationReservation::Fresh);
         }
         let value: Option<String> = conn.get(&key).await.map_err(unavailable)?;
-        Ok(match value.as_deref().and_then(|v| v.strip_prefix('D')) {
-            Some(done) => OperationReservation::Done(done.to_string()),
-            None => OperationReservation::InProgress,
-        })
+        // Gone between the two commands (it expired): the caller retries and reserves it.
+        Ok(value.map_or(OperationReservation::InProgress, |v| {
+            super::decode_operation(&v, fingerprint)
+        }))
     }
 
     async fn finish_operation(
         &self,
         key: &str,
+        fingerprint: &str,
         response: &str,
         ttl_secs: u64,
     ) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
-        conn.set_ex::<_, _, ()>(operation_key(key), format!("D{response}"), ttl_secs)
-            .await
-            .map_err(unavailable)
+        conn.set_ex::<_, _, ()>(
+            operation_key(key),
+            super::encode_finished_operation(fingerprint, response),
+            ttl_secs,
+        )
+        .await
+        .map_err(unavailable)
     }
 
     async fn payment_status(

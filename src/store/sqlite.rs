@@ -1104,6 +1104,7 @@ fn resend_tx(
 fn reserve_tx(
     conn: &Connection,
     key: &str,
+    fingerprint: &str,
     ttl_secs: u64,
 ) -> Result<OperationReservation, StoreError> {
     let now = wall_clock_ms();
@@ -1114,15 +1115,20 @@ fn reserve_tx(
         .optional()
         .db()?;
     match existing {
-        Some(Some(done)) => Ok(OperationReservation::Done(done)),
+        Some(Some(stored)) => Ok(super::decode_operation(&stored, fingerprint)),
+        // A reservation written before fingerprints were stored.
         Some(None) => Ok(OperationReservation::InProgress),
         None => {
             conn.prepare_cached(
                 "INSERT OR REPLACE INTO operations (key, response, expires_at) \
-                 VALUES (?1, NULL, ?2)",
+                 VALUES (?1, ?2, ?3)",
             )
             .db()?
-            .execute(params![key, now.saturating_add(secs_to_ms(ttl_secs))])
+            .execute(params![
+                key,
+                super::encode_running_operation(fingerprint),
+                now.saturating_add(secs_to_ms(ttl_secs))
+            ])
             .db()?;
             Ok(OperationReservation::Fresh)
         }
@@ -1352,21 +1358,26 @@ impl Store for SqliteStore {
     async fn reserve_operation(
         &self,
         key: &str,
+        fingerprint: &str,
         ttl_secs: u64,
     ) -> Result<OperationReservation, StoreError> {
         let key = key.to_string();
-        self.write(None, move |conn| reserve_tx(conn, &key, ttl_secs))
-            .await
+        let fingerprint = fingerprint.to_string();
+        self.write(None, move |conn| {
+            reserve_tx(conn, &key, &fingerprint, ttl_secs)
+        })
+        .await
     }
 
     async fn finish_operation(
         &self,
         key: &str,
+        fingerprint: &str,
         response: &str,
         ttl_secs: u64,
     ) -> Result<(), StoreError> {
         let key = key.to_string();
-        let response = response.to_string();
+        let stored = super::encode_finished_operation(fingerprint, response);
         self.write(None, move |conn| {
             let expires_at = wall_clock_ms().saturating_add(secs_to_ms(ttl_secs));
             conn.prepare_cached(
@@ -1374,7 +1385,7 @@ impl Store for SqliteStore {
                  VALUES (?1, ?2, ?3)",
             )
             .db()?
-            .execute(params![key, response, expires_at])
+            .execute(params![key, stored, expires_at])
             .db()
             .map(|_| ())
         })
