@@ -284,3 +284,26 @@ async fn buffered_request_bodies_share_one_budget() {
     assert_eq!(accepted.status(), 200);
     assert_eq!(budget.available_permits(), 1500);
 }
+
+#[tokio::test]
+async fn http1_keep_alive_connection_is_closed_when_idle_after_a_request() {
+    let redis = RedisServer::start();
+    let mut cfg = config(&redis.url(), None);
+    cfg.server.header_timeout_secs = 1;
+    cfg.server.request_timeout_secs = 1;
+    let server = TestServer::start(cfg).await;
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let mut tcp = TcpStream::connect(&addr).await.unwrap();
+    tcp.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The next request's headers never come: the connection is closed (by hyper's header
+    // timer, which runs between keep-alive requests too, or at the latest by the idle limit).
+    let mut answer = Vec::new();
+    tokio::time::timeout(HANG_GUARD, tcp.read_to_end(&mut answer))
+        .await
+        .expect("the idle keep-alive connection is closed")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
