@@ -124,7 +124,12 @@ pub async fn serve(
                         closing = true;
                         give_up = Some(Box::pin(tokio::time::sleep(limits.idle_timeout)));
                     }
-                    _ = async { give_up.as_mut().expect("guarded").await }, if give_up.is_some() => break,
+                    _ = async {
+                        match give_up.as_mut() {
+                            Some(deadline) => deadline.await,
+                            None => std::future::pending().await,
+                        }
+                    } => break,
                     _ = force_close.cancelled() => break,
                 }
             }
