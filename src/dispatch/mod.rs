@@ -312,6 +312,7 @@ impl Dispatcher {
             error: result.error.clone(),
             latency_ms: Some(latency.as_millis() as u64),
             request_id: None,
+            response: result.response.clone(),
         };
         self.settle(&c, attempt, verdict, now).await;
         self.untrack(&c);

@@ -576,6 +576,7 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
         error: None,
         latency_ms: None,
         request_id: request_id.map(str::to_string),
+        response: None,
     };
     let fresh_deadline =
         now.saturating_add(app.config.dispatch.max_age_secs.saturating_mul(1000) as i64);
