@@ -11,6 +11,7 @@ pub mod http;
 pub mod inbound;
 pub mod metrics;
 pub mod payment;
+pub mod stats;
 pub mod store;
 
 use std::sync::Arc;
@@ -117,7 +118,8 @@ pub async fn serve(
             app.clock.clone(),
             app.wake.clone(),
         )
-        .map_err(|e| StartError::Setup(format!("HTTP client: {e}")))?;
+        .map_err(|e| StartError::Setup(format!("HTTP client: {e}")))?
+        .with_stats(app.deliveries.clone());
         Some(tokio::spawn(Arc::new(d).run(shutdown.clone(), grace)))
     } else {
         None

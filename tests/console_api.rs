@@ -5,9 +5,14 @@
 
 mod support;
 
-use serde_json::Value;
+use std::sync::Arc;
+
+use callbackd::clock::Clock;
+use callbackd::dispatch::Dispatcher;
+use serde_json::{Value, json};
+use support::redis::RedisServer;
 use support::sink::{Answer, Reply, Sink};
-use support::{TestServer, handoff, virtual_server};
+use support::{CONNECTOR_TOKEN, TestServer, handoff, virtual_server};
 
 fn sqlite_url(dir: &tempfile::TempDir) -> String {
     format!("sqlite://{}", dir.path().join("console.db").display())
@@ -76,5 +81,228 @@ async fn each_attempt_keeps_the_receivers_answer() {
     assert_eq!(second["body"], "thanks");
     assert!(second.get("bodyTruncated").is_none());
     assert!(second.get("retryAfter").is_none());
+    server.stop().await;
+}
+
+/// A sink answering by path: `/ok` 204, `/gone` 410, anything else 503.
+async fn path_sink() -> Sink {
+    Sink::start(|r, _| {
+        Reply::status(if r.uri.starts_with("/ok") {
+            204
+        } else if r.uri.starts_with("/gone") {
+            410
+        } else {
+            503
+        })
+    })
+    .await
+}
+
+async fn overview_on(store_url: &str) {
+    let (server, clock, _) = virtual_server(store_url, |_| {}).await;
+    let app = &server.app;
+    let d = Arc::new(
+        Dispatcher::new(
+            &app.config,
+            app.store.clone(),
+            clock.clone(),
+            app.wake.clone(),
+        )
+        .unwrap()
+        .with_stats(app.deliveries.clone()),
+    );
+    let sink = path_sink().await;
+    let t0 = clock.now_ms();
+    server
+        .hand_off_id(&handoff("p-ok", "approved", &format!("{}/ok", sink.url)))
+        .await;
+    let waiting = server
+        .hand_off_id(&handoff(
+            "p-wait",
+            "approved",
+            &format!("{}/fail", sink.url),
+        ))
+        .await;
+    server
+        .hand_off_id(&handoff(
+            "p-gone",
+            "approved",
+            &format!("{}/gone", sink.url),
+        ))
+        .await;
+    clock.set(t0 + 90_000);
+    assert_eq!(d.tick().await, 3);
+
+    let unauthenticated = server
+        .client
+        .get(format!("{}/v1/console/overview", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unauthenticated.status(), 401);
+    let connector = server
+        .client
+        .get(format!("{}/v1/console/overview", server.url))
+        .bearer_auth(CONNECTOR_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(connector.status(), 403);
+
+    let r = server.admin_get("/v1/console/overview").await;
+    assert_eq!(r.status(), 200);
+    let o: Value = r.json().await.unwrap();
+    assert_eq!(o["depth"], json!({"pending": 1, "inFlight": 0, "dead": 1}));
+    assert_eq!(o["oldestPending"]["id"], waiting.as_str());
+    assert_eq!(o["oldestPending"]["ageSeconds"], 90);
+    let minutes = o["perMinute"].as_array().unwrap();
+    assert_eq!(minutes.len(), 60);
+    let last = &minutes[59];
+    assert_eq!(last["deliveries"], 1);
+    assert_eq!(last["failures"], 2);
+    assert_eq!(last["minute"], (t0 + 90_000) / 60_000 * 60_000);
+    let all: u64 = minutes
+        .iter()
+        .map(|m| m["deliveries"].as_u64().unwrap() + m["failures"].as_u64().unwrap())
+        .sum();
+    assert_eq!(all, 3);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn overview_shows_depth_oldest_pending_and_the_last_hour_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    overview_on(&sqlite_url(&dir)).await;
+}
+
+#[tokio::test]
+async fn overview_shows_depth_oldest_pending_and_the_last_hour_on_redis() {
+    let redis = RedisServer::start();
+    overview_on(&redis.url()).await;
+}
+
+/// Every console page and asset carries the CSP, no framing and no sniffing; the pages hold
+/// no inline script or style, and the scripts never write markup from data.
+#[tokio::test]
+async fn console_pages_are_served_with_strict_headers_and_no_inline_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, _, _) = virtual_server(&sqlite_url(&dir), |_| {}).await;
+    let pages = [
+        ("/console", "text/html"),
+        ("/console/messages?state=dead&paymentId=p-1", "text/html"),
+        (
+            "/console/messages/msg_000000000000000000000000000000",
+            "text/html",
+        ),
+        ("/console/assets/app.js", "text/javascript"),
+        ("/console/assets/api.js", "text/javascript"),
+        ("/console/assets/dom.js", "text/javascript"),
+        ("/console/assets/chart.js", "text/javascript"),
+        ("/console/assets/console.css", "text/css"),
+        ("/console/assets/favicon.svg", "image/svg+xml"),
+    ];
+    for (path, content_type) in pages {
+        let r = server
+            .client
+            .get(format!("{}{path}", server.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        let h = r.headers();
+        assert!(
+            h["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with(content_type),
+            "{path}"
+        );
+        assert_eq!(h["content-security-policy"], callbackd::http::console::CSP);
+        assert!(
+            h["content-security-policy"]
+                .to_str()
+                .unwrap()
+                .starts_with("default-src 'self';")
+        );
+        assert_eq!(h["x-frame-options"], "DENY");
+        assert_eq!(h["x-content-type-options"], "nosniff");
+        let text = r.text().await.unwrap();
+        if content_type == "text/html" {
+            assert!(!text.contains("<style"), "no inline style in {path}");
+            assert!(!text.contains(" style="), "no style attribute in {path}");
+            for script in text.split("<script").skip(1) {
+                let tag = &script[..script.find('>').unwrap()];
+                assert!(
+                    tag.contains("src=\"/console/assets/"),
+                    "inline script in {path}"
+                );
+            }
+        }
+        if content_type == "text/javascript" {
+            assert!(!text.contains("innerHTML"), "{path} writes markup");
+            assert!(!text.contains("eval("), "{path} evaluates code");
+        }
+    }
+    let missing = server
+        .client
+        .get(format!("{}/console/assets/secrets.toml", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    assert_eq!(missing.headers()["x-frame-options"], "DENY");
+    server.stop().await;
+}
+
+/// `dryRun: true` counts what a resend would deliver again and changes nothing: no attempt,
+/// no history row, and its requestId is not used up.
+#[tokio::test]
+async fn resend_dry_run_counts_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, clock, d) = virtual_server(&sqlite_url(&dir), |_| {}).await;
+    let sink = path_sink().await;
+    let mut dead = Vec::new();
+    for p in ["p-d1", "p-d2", "p-d3"] {
+        dead.push(
+            server
+                .hand_off_id(&handoff(p, "approved", &format!("{}/gone", sink.url)))
+                .await,
+        );
+    }
+    server
+        .hand_off_id(&handoff("p-fine", "approved", &format!("{}/ok", sink.url)))
+        .await;
+    d.tick().await;
+    assert_eq!(sink.count(), 4);
+    let from = callbackd::clock::format_iso(clock.now_ms() - 3_600_000);
+    let selection =
+        json!({"state": "dead", "createdAtFrom": from, "dryRun": true, "requestId": "r-1"});
+    let r = server.admin_post("/v1/admin/resend", &selection).await;
+    assert_eq!(r.status(), 200);
+    let count: Value = r.json().await.unwrap();
+    assert_eq!(
+        count,
+        json!({"resent": 0, "messageIds": [], "dryRun": true, "wouldResend": 3, "more": false})
+    );
+    let by_ids =
+        json!({"messageIds": [dead[0], "msg_000000000000000000000000000000"], "dryRun": true});
+    let r = server.admin_post("/v1/admin/resend", &by_ids).await;
+    assert_eq!(r.json::<Value>().await.unwrap()["wouldResend"], 1);
+    for id in &dead {
+        let v = view(&server, id).await;
+        assert_eq!(v["state"], "dead");
+        assert_eq!(v["historyTotal"], 1, "a dry run records nothing");
+    }
+    d.tick().await;
+    assert_eq!(sink.count(), 4, "a dry run delivers nothing");
+
+    let mut real = selection.clone();
+    real["dryRun"] = json!(false);
+    let r = server.admin_post("/v1/admin/resend", &real).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("idempotent-replayed").is_none());
+    assert_eq!(r.json::<Value>().await.unwrap()["resent"], 3);
+    d.tick().await;
+    assert_eq!(sink.count(), 7);
     server.stop().await;
 }

@@ -23,6 +23,7 @@ use tracing::Instrument;
 use crate::clock::Clock;
 use crate::config::{Config, DispatchConfig};
 use crate::metrics as m;
+use crate::stats::DeliveryStats;
 use crate::store::{Attempt, Claimed, MessageKind, Store};
 use delivery::{AttemptResult, Verdict};
 use schedule::Backoff;
@@ -62,6 +63,8 @@ pub struct Dispatcher {
     /// Claims being delivered, so shutdown can hand their leases back.
     in_flight: Mutex<HashMap<String, Claimed>>,
     wake: Arc<Notify>,
+    /// Per-minute counts for the console, when the server shows them.
+    stats: Option<Arc<DeliveryStats>>,
 }
 
 impl Dispatcher {
@@ -121,7 +124,14 @@ impl Dispatcher {
             sources,
             in_flight: Mutex::new(HashMap::new()),
             wake,
+            stats: None,
         })
+    }
+
+    /// Counts every attempt in `stats` (the console's deliveries-per-minute chart).
+    pub fn with_stats(mut self, stats: Arc<DeliveryStats>) -> Dispatcher {
+        self.stats = Some(stats);
+        self
     }
 
     /// Claims what is due now (up to the free permits) and starts delivering it in `tasks`.
@@ -304,6 +314,9 @@ impl Dispatcher {
         let now = self.clock.now_ms();
         let verdict = delivery::classify(&result, self.backoff, &c, now, rand::random::<f64>());
         self.record_metrics(&c, &result, verdict, latency);
+        if let Some(stats) = &self.stats {
+            stats.record(now, verdict == Verdict::Delivered);
+        }
         let attempt = Attempt {
             kind: "delivery".into(),
             attempt: c.attempts + 1,

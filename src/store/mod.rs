@@ -462,6 +462,10 @@ pub trait Store: Send + Sync + 'static {
 
     async fn depth(&self) -> Result<QueueDepth, StoreError>;
 
+    /// The id of the oldest message not finished yet (`pending` or `in_flight`), whose
+    /// creation time is in the id: how far behind delivery is.
+    async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError>;
+
     /// Deletes up to [`SWEEP_LIMIT`] expired keys or rows per partition: messages finished
     /// more than the retention ago (with their history and index entries), dedupe claims,
     /// signature seals and payment states past their lifetimes. Returns how many went; the
