@@ -1,5 +1,6 @@
 //! callbackd: makes payment callbacks safe to retry. This file wires the parts together.
 
+pub mod alerts;
 pub mod app;
 pub mod clock;
 pub mod config;

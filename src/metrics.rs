@@ -15,6 +15,7 @@ pub const QUEUE_DEPTH: &str = "callbackd_queue_depth";
 pub const ACCEPT_SECONDS: &str = "callbackd_accept_duration_seconds";
 pub const DELIVERY_SECONDS: &str = "callbackd_delivery_duration_seconds";
 pub const BUFFERED_BYTES: &str = "callbackd_http_buffered_bytes";
+pub const ALERTS: &str = "callbackd_dead_letter_alerts_total";
 
 /// Every metric with its labels and meaning, for README's table and `/metrics` HELP lines.
 pub const CATALOGUE: [(&str, &str, &str); 10] = [

@@ -7,8 +7,12 @@ mod support;
 
 use std::sync::Arc;
 
+use axum::http::HeaderMap;
+use callbackd::alerts::AlertsConfig;
 use callbackd::clock::Clock;
+use callbackd::config::decode_whsec;
 use callbackd::dispatch::Dispatcher;
+use callbackd::inbound::signature::Verifier;
 use serde_json::{Value, json};
 use support::redis::RedisServer;
 use support::sink::{Answer, Reply, Sink};
@@ -304,5 +308,175 @@ async fn resend_dry_run_counts_and_changes_nothing() {
     assert_eq!(r.json::<Value>().await.unwrap()["resent"], 3);
     d.tick().await;
     assert_eq!(sink.count(), 7);
+    server.stop().await;
+}
+
+/// The first Standard Webhooks vector of `tests/vectors/signatures.json` (made by the
+/// `standardwebhooks` package): its secret signs the alerts here, and the verifier that
+/// checks them must accept the vector first.
+fn vector_checked_verifier() -> (String, Verifier) {
+    let vectors: Value =
+        serde_json::from_str(include_str!("vectors/signatures.json")).expect("vectors");
+    let v = &vectors["standard_webhooks"][0];
+    let secret = v["secret"].as_str().unwrap().to_string();
+    let verifier = Verifier::StandardWebhooks {
+        secrets: vec![decode_whsec(&secret).unwrap()],
+        tolerance_secs: 300,
+    };
+    let mut headers = HeaderMap::new();
+    for name in ["webhook-id", "webhook-timestamp", "webhook-signature"] {
+        headers.insert(name, v[name].as_str().unwrap().parse().unwrap());
+    }
+    let ts: i64 = v["webhook-timestamp"].as_str().unwrap().parse().unwrap();
+    verifier
+        .verify(&headers, v["body"].as_str().unwrap().as_bytes(), ts)
+        .expect("the verifier accepts the independent vector");
+    (secret, verifier)
+}
+
+fn alerts_to(sink: &Sink, secret: &str) -> AlertsConfig {
+    AlertsConfig {
+        webhook_url: format!("{}/alerts", sink.url),
+        secret: secret.to_string(),
+        console_url: Some("https://ops.example.com/".into()),
+    }
+}
+
+/// A notification the receiver refuses with 410 is dead; its alert is a stored message that
+/// is retried until the alert receiver takes it, signed each time, carrying what an operator
+/// needs and a link to the console page.
+#[tokio::test]
+async fn a_dead_letter_is_announced_by_a_signed_durable_alert() {
+    let dir = tempfile::tempdir().unwrap();
+    let (secret, verifier) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, n| Reply::status(if n == 0 { 503 } else { 204 })).await;
+    let (server, clock, d) = virtual_server(&sqlite_url(&dir), |c| {
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+    })
+    .await;
+    let sink = path_sink().await;
+    let dead = server
+        .hand_off_id(&handoff(
+            "p-alert",
+            "approved",
+            &format!("{}/gone", sink.url),
+        ))
+        .await;
+    d.tick().await;
+    assert_eq!(view(&server, &dead).await["state"], "dead");
+    assert_eq!(
+        alert_sink.count(),
+        1,
+        "the alert went out with the same tick"
+    );
+    let first = alert_sink.received()[0].clone();
+    let alert_id = first.header("webhook-id").expect("webhook-id");
+    let alert = view(&server, &alert_id).await;
+    assert_eq!(
+        alert["state"], "pending",
+        "the refused alert waits for its retry"
+    );
+    assert_eq!(alert["event"], "message.dead");
+
+    clock.advance(1_000);
+    d.tick().await;
+    assert_eq!(alert_sink.count(), 2);
+    assert_eq!(view(&server, &alert_id).await["state"], "delivered");
+    for received in alert_sink.received() {
+        assert_eq!(received.uri, "/alerts");
+        assert_eq!(
+            received.header("webhook-id").as_deref(),
+            Some(alert_id.as_str())
+        );
+        let ts: i64 = received
+            .header("webhook-timestamp")
+            .unwrap()
+            .parse()
+            .unwrap();
+        verifier
+            .verify(&received.headers, received.body.as_bytes(), ts)
+            .expect("a valid Standard Webhooks signature");
+        let mut tampered = received.body.clone();
+        tampered.push(' ');
+        assert!(
+            verifier
+                .verify(&received.headers, tampered.as_bytes(), ts)
+                .is_err()
+        );
+        assert_eq!(
+            received.header("x-callback-event").as_deref(),
+            Some("message.dead")
+        );
+    }
+    let body = first.json();
+    assert_eq!(body["type"], "message.dead");
+    let data = &body["data"];
+    assert_eq!(data["messageId"], dead.as_str());
+    assert_eq!(data["kind"], "notification");
+    assert_eq!(data["paymentId"], "p-alert");
+    assert_eq!(data["reason"], "gone");
+    assert_eq!(data["attempts"], 1);
+    assert_eq!(data["lastStatus"], 410);
+    assert_eq!(
+        data["consoleUrl"],
+        format!("https://ops.example.com/console/messages/{dead}")
+    );
+    server.stop().await;
+}
+
+/// An inbound callback whose window runs out is announced with its source and transaction
+/// id; an alert that dies itself (its receiver answers 410) is not announced.
+#[tokio::test]
+async fn an_expired_callback_is_announced_and_a_dead_alert_is_not() {
+    let redis = RedisServer::start();
+    let (secret, _) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(410)).await;
+    let target = path_sink().await;
+    let (server, clock, d) = virtual_server(&redis.url(), |c| {
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+        c.dispatch.max_age_secs = 10;
+        c.sources.get_mut("payzu").unwrap().forward_url = Some(format!("{}/down", target.url));
+    })
+    .await;
+    let body =
+        r#"{"id":"tx:alert","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":9.9}"#;
+    let r = server.post_callback("payzu", body, None).await;
+    assert_eq!(r.status(), 200);
+    d.tick().await;
+    // Retries until the 10 s window is over, then the message is dead.
+    let mut deaths = 0;
+    for _ in 0..100 {
+        if deaths > 0 {
+            break;
+        }
+        clock.advance(1_000);
+        d.tick().await;
+        let page: Value = server
+            .admin_get("/v1/messages?state=dead&source=payzu")
+            .await
+            .json()
+            .await
+            .unwrap();
+        deaths = page["messages"].as_array().unwrap().len();
+    }
+    assert_eq!(deaths, 1, "the callback died when its window ran out");
+    assert_eq!(alert_sink.count(), 1);
+    let data = alert_sink.received()[0].json()["data"].clone();
+    assert_eq!(data["kind"], "inbound");
+    assert_eq!(data["source"], "payzu");
+    assert_eq!(data["transactionId"], "tx:alert");
+    assert_eq!(data["reason"], "expired");
+    assert_eq!(data["lastStatus"], 503);
+    assert!(data["attempts"].as_u64().unwrap() > 1);
+    assert!(data.get("paymentId").is_none());
+
+    // The alert itself was refused with 410: dead, and nothing announces it.
+    let alert_id = alert_sink.received()[0].header("webhook-id").unwrap();
+    assert_eq!(view(&server, &alert_id).await["state"], "dead");
+    clock.advance(60_000);
+    d.tick().await;
+    assert_eq!(alert_sink.count(), 1);
+    let all: Value = server.admin_get("/v1/messages").await.json().await.unwrap();
+    assert_eq!(all["messages"].as_array().unwrap().len(), 2);
     server.stop().await;
 }

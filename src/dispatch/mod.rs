@@ -20,6 +20,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::alerts::{Alerts, DeathReason, is_alert};
 use crate::clock::Clock;
 use crate::config::{Config, DispatchConfig};
 use crate::metrics as m;
@@ -65,6 +66,8 @@ pub struct Dispatcher {
     wake: Arc<Notify>,
     /// Per-minute counts for the console, when the server shows them.
     stats: Option<Arc<DeliveryStats>>,
+    /// Where dead letters are announced (`[alerts]`), if anywhere.
+    alerts: Option<Alerts>,
 }
 
 impl Dispatcher {
@@ -125,6 +128,7 @@ impl Dispatcher {
             in_flight: Mutex::new(HashMap::new()),
             wake,
             stats: None,
+            alerts: Alerts::from_config(config),
         })
     }
 
@@ -287,13 +291,20 @@ impl Dispatcher {
             self.untrack(&c);
             return;
         };
-        let source = c
-            .message
-            .source
-            .as_ref()
-            .and_then(|s| self.sources.get(s))
-            .cloned()
-            .unwrap_or_default();
+        let source = match &self.alerts {
+            // Alerts are signed with the alert secret, so the receiver can trust them.
+            Some(alerts) if is_alert(&c.message) => SourceDelivery {
+                headers: BTreeMap::new(),
+                signing_secret: Some(alerts.secret().to_vec()),
+            },
+            _ => c
+                .message
+                .source
+                .as_ref()
+                .and_then(|s| self.sources.get(s))
+                .cloned()
+                .unwrap_or_default(),
+        };
         let at = self.clock.now_ms();
         let headers = delivery::build_headers(
             &c,
@@ -327,8 +338,49 @@ impl Dispatcher {
             request_id: None,
             response: result.response.clone(),
         };
+        if !self.announce_death(&c, &attempt, verdict, now).await {
+            // Not recorded: the lease runs out and the attempt is made again, so the death
+            // is announced then rather than never.
+            self.untrack(&c);
+            return;
+        }
         self.settle(&c, attempt, verdict, now).await;
         self.untrack(&c);
+    }
+
+    /// Accepts the dead-letter alert for a message this attempt kills, before its death is
+    /// recorded. False when the alert could not be recorded.
+    async fn announce_death(
+        &self,
+        c: &Claimed,
+        attempt: &Attempt,
+        verdict: Verdict,
+        now: i64,
+    ) -> bool {
+        let reason = match verdict {
+            Verdict::Gone => DeathReason::Gone,
+            Verdict::Expired => DeathReason::Expired,
+            Verdict::Delivered | Verdict::Retry(_) => return true,
+        };
+        let Some(alert) = self
+            .alerts
+            .as_ref()
+            .and_then(|a| a.dead_letter(c, attempt, reason, now))
+        else {
+            return true;
+        };
+        for backoff_ms in [0, 100, 500, 2_000] {
+            tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+            match self.store.accept(alert.clone(), now).await {
+                Ok(_) => {
+                    metrics::counter!(m::ALERTS, "reason" => reason.as_str()).increment(1);
+                    self.wake.notify_one();
+                    return true;
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot record the dead-letter alert yet"),
+            }
+        }
+        false
     }
 
     /// Records the outcome. A store error is retried briefly; if it persists, the lease
