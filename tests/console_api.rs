@@ -170,6 +170,31 @@ async fn overview_on(store_url: &str) {
         .map(|m| m["deliveries"].as_u64().unwrap() + m["failures"].as_u64().unwrap())
         .sum();
     assert_eq!(all, 3);
+
+    // The same figures for Prometheus, with the build and failures by class.
+    let text = server.admin_get("/metrics").await.text().await.unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    for expected in [
+        "callbackd_oldest_pending_age_seconds 90",
+        "callbackd_store_up 1",
+        concat!(
+            "callbackd_build_info{version=\"",
+            env!("CARGO_PKG_VERSION"),
+            "\"} 1"
+        ),
+    ] {
+        assert!(lines.contains(&expected), "`{expected}` in\n{text}");
+    }
+    for class in ["4xx", "5xx"] {
+        let prefix = format!(
+            "callbackd_delivery_failures_total{{kind=\"notification\",class=\"{class}\"}} "
+        );
+        assert!(
+            lines.iter().any(|l| l.starts_with(&prefix)),
+            "{prefix} in\n{text}"
+        );
+    }
+    assert!(text.contains("# TYPE callbackd_oldest_pending_age_seconds gauge"));
     server.stop().await;
 }
 

@@ -96,6 +96,25 @@ pub fn classify(
     }
 }
 
+/// The class of a failed attempt, for the failures metric: the status class when the receiver
+/// answered, else the error class. Always one of a fixed set, so labels stay bounded.
+pub fn failure_class(result: &AttemptResult) -> &'static str {
+    match (result.status, result.error.as_deref()) {
+        (Some(s), _) => match s / 100 {
+            1 => "1xx",
+            2 => "2xx",
+            3 => "3xx",
+            4 => "4xx",
+            _ => "5xx",
+        },
+        (None, Some("timeout")) => "timeout",
+        (None, Some("connect")) => "connect",
+        (None, Some(REFUSED_ADDRESS)) => "refused_address",
+        (None, Some("bad_url")) => "bad_url",
+        (None, _) => "request",
+    }
+}
+
 /// `Retry-After` as delay-seconds or an HTTP date.
 pub fn parse_retry_after(value: &str) -> Option<RetryAfter> {
     let value = value.trim();
@@ -346,6 +365,22 @@ mod tests {
             classify(&status(500), BACKOFF, &c, 100_000, 0.0),
             Verdict::Expired
         );
+    }
+
+    #[test]
+    fn failure_classes() {
+        assert_eq!(failure_class(&status(503)), "5xx");
+        assert_eq!(failure_class(&status(410)), "4xx");
+        assert_eq!(failure_class(&status(302)), "3xx");
+        for class in ["timeout", "connect", REFUSED_ADDRESS, "bad_url", "request"] {
+            let r = AttemptResult {
+                status: None,
+                error: Some(class.into()),
+                retry_after: None,
+                response: None,
+            };
+            assert_eq!(failure_class(&r), class);
+        }
     }
 
     #[test]

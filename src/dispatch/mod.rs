@@ -436,6 +436,8 @@ impl Dispatcher {
             Verdict::Delivered => {}
         }
         if verdict != Verdict::Delivered {
+            let class = delivery::failure_class(result);
+            metrics::counter!(m::DELIVERY_FAILURES, "kind" => kind, "class" => class).increment(1);
             tracing::info!(status = ?result.status, error = ?result.error, ?verdict, "delivery failed");
         }
     }
