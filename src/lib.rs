@@ -2,6 +2,7 @@
 
 pub mod alerts;
 pub mod app;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod digest;
