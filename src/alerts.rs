@@ -18,6 +18,7 @@ use crate::digest::short_hash;
 use crate::store::{
     AcceptRequest, Attempt, Claim, Claimed, MessageId, MessageKind, Millis, NewMessage,
 };
+use crate::trace::{TRACEPARENT, TRACESTATE};
 
 /// The event type of a dead-letter alert (its `type` and `X-Callback-Event`).
 pub const DEAD_EVENT: &str = "message.dead";
@@ -183,7 +184,13 @@ impl Alerts {
             ordering_key,
             event: Some(DEAD_EVENT.to_string()),
             target_url: Some(self.url.clone()),
-            headers: Default::default(),
+            // The alert continues the dead message's trace, if it had one.
+            headers: dead
+                .headers
+                .iter()
+                .filter(|(k, _)| k.as_str() == TRACEPARENT || k.as_str() == TRACESTATE)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             body,
             created_at: now,
             deadline: now.saturating_add(self.max_age_ms),

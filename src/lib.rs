@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod payment;
 pub mod stats;
 pub mod store;
+pub mod trace;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -13,6 +13,7 @@ use callbackd::clock::Clock;
 use callbackd::config::decode_whsec;
 use callbackd::dispatch::Dispatcher;
 use callbackd::inbound::signature::Verifier;
+use callbackd::trace::TraceParent;
 use serde_json::{Value, json};
 use support::redis::RedisServer;
 use support::sink::{Answer, Reply, Sink};
@@ -503,5 +504,114 @@ async fn an_expired_callback_is_announced_and_a_dead_alert_is_not() {
     assert_eq!(alert_sink.count(), 1);
     let all: Value = server.admin_get("/v1/messages").await.json().await.unwrap();
     assert_eq!(all["messages"].as_array().unwrap().len(), 2);
+    server.stop().await;
+}
+
+fn trace_of(received: &support::sink::Received) -> TraceParent {
+    TraceParent::parse(&received.header("traceparent").expect("traceparent sent"))
+        .expect("a valid traceparent")
+}
+
+/// The `traceparent` of a hand-off and of a provider callback reaches every delivery of its
+/// message: the same trace and flags, a new span per attempt; `tracestate` goes along. An
+/// invalid one is not passed on.
+#[tokio::test]
+async fn traceparent_travels_from_the_request_to_each_delivery() {
+    const INBOUND: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let dir = tempfile::tempdir().unwrap();
+    let sink = Sink::start(|r, _| Reply::status(if r.uri == "/flaky" { 503 } else { 204 })).await;
+    let (server, clock, d) = virtual_server(&sqlite_url(&dir), |c| {
+        c.sources.get_mut("payzu").unwrap().forward_url = Some(format!("{}/forward", sink.url));
+    })
+    .await;
+    let handed = |path: &str, traceparent: &str| {
+        server
+            .client
+            .post(format!("{}/v1/notifications", server.url))
+            .bearer_auth(support::CONNECTOR_TOKEN)
+            .header("traceparent", traceparent)
+            .header("tracestate", "acme=7")
+            .json(&handoff(
+                "p-trace",
+                "approved",
+                &format!("{}{path}", sink.url),
+            ))
+            .send()
+    };
+    assert_eq!(handed("/flaky", INBOUND).await.unwrap().status(), 202);
+    d.tick().await;
+    clock.advance(1_000);
+    d.tick().await;
+    let attempts = sink.received();
+    assert_eq!(attempts.len(), 2);
+    let inbound = TraceParent::parse(INBOUND).unwrap();
+    let spans: Vec<TraceParent> = attempts.iter().map(trace_of).collect();
+    for span in &spans {
+        assert_eq!(span.trace_id, inbound.trace_id);
+        assert_eq!(span.flags, "01");
+        assert_ne!(span.parent_id, inbound.parent_id);
+    }
+    assert_ne!(
+        spans[0].parent_id, spans[1].parent_id,
+        "a new span per attempt"
+    );
+    assert_eq!(attempts[0].header("tracestate").as_deref(), Some("acme=7"));
+
+    // A provider callback forwarded to the merchant.
+    let body =
+        r#"{"id":"tx-trace","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":1}"#;
+    let signature = callbackd::inbound::signature::sign_payzu(
+        support::PAYZU_SECRET.as_bytes(),
+        server.app.clock.now_secs(),
+        body.as_bytes(),
+    );
+    let r = server
+        .client
+        .post(format!("{}/v1/callbacks/payzu", server.url))
+        .header("x-callback-signature", signature)
+        .header(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+        )
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    d.tick().await;
+    let forwarded = sink
+        .received()
+        .into_iter()
+        .find(|r| r.uri == "/forward")
+        .unwrap();
+    let span = trace_of(&forwarded);
+    assert_eq!(span.trace_id, "0af7651916cd43dd8448eb211c80319c");
+    assert_eq!(span.flags, "00");
+
+    // An invalid traceparent is dropped.
+    let r = server
+        .client
+        .post(format!("{}/v1/notifications", server.url))
+        .bearer_auth(support::CONNECTOR_TOKEN)
+        .header(
+            "traceparent",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+        )
+        .json(&handoff(
+            "p-untraced",
+            "approved",
+            &format!("{}/plain", sink.url),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    d.tick().await;
+    let plain = sink
+        .received()
+        .into_iter()
+        .find(|r| r.uri == "/plain")
+        .unwrap();
+    assert_eq!(plain.header("traceparent"), None);
     server.stop().await;
 }

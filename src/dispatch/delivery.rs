@@ -146,6 +146,8 @@ pub fn build_headers(
             headers.insert(n, v);
         }
     }
+    // Each attempt is a new span of the trace the message arrived with.
+    crate::trace::new_span(&mut headers);
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
