@@ -1290,6 +1290,7 @@ async fn store_cycle_at(store: &RedisStore, n: u64, ahead_ms: i64) -> Result<(f6
                 error: None,
                 latency_ms: Some(1),
                 request_id: None,
+                response: None,
             };
             store.complete(c, attempt, Completion::Delivered, unix_ms() + ahead_ms)
         });

@@ -48,6 +48,8 @@ pub struct Config {
     pub dispatch: DispatchConfig,
     pub log: LogConfig,
     pub sources: BTreeMap<String, SourceConfig>,
+    /// Dead-letter alerts (`[alerts]`); none when absent.
+    pub alerts: Option<crate::alerts::AlertsConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -314,6 +316,9 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         self.store_location()?;
+        if let Some(alerts) = &self.alerts {
+            alerts.validate()?;
+        }
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
         }

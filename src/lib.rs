@@ -1,6 +1,8 @@
 //! callbackd: makes payment callbacks safe to retry. This file wires the parts together.
 
+pub mod alerts;
 pub mod app;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod digest;
@@ -11,7 +13,9 @@ pub mod http;
 pub mod inbound;
 pub mod metrics;
 pub mod payment;
+pub mod stats;
 pub mod store;
+pub mod trace;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -117,7 +121,8 @@ pub async fn serve(
             app.clock.clone(),
             app.wake.clone(),
         )
-        .map_err(|e| StartError::Setup(format!("HTTP client: {e}")))?;
+        .map_err(|e| StartError::Setup(format!("HTTP client: {e}")))?
+        .with_stats(app.deliveries.clone());
         Some(tokio::spawn(Arc::new(d).run(shutdown.clone(), grace)))
     } else {
         None

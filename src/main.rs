@@ -106,6 +106,11 @@ enum Command {
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
         timeout_secs: u64,
     },
+    /// Post a test callback, signed with the source's configured secret as its provider would:
+    ///   callbackd send-test --source payzu
+    ///   callbackd send-test --source payzu --id tx-1001 --status REFUNDED
+    #[command(verbatim_doc_comment)]
+    SendTest(callbackd::cli::SendTestArgs),
     /// Inspect messages of a running server (needs $CALLBACKD_ADMIN_TOKEN)
     Messages {
         #[command(subcommand)]
@@ -133,8 +138,12 @@ enum Command {
 
 #[derive(Subcommand)]
 enum MessagesCommand {
-    /// List messages, oldest first; prints JSON with `nextCursor` for the next page
+    /// List messages, oldest first: a table on a terminal, else (or with --json) the API's
+    /// JSON with `nextCursor` for the next page
     List {
+        /// Print the API's JSON even on a terminal
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         remote: Remote,
         #[command(flatten)]
@@ -297,7 +306,8 @@ async fn call_admin(
     path: &str,
     query: &[(&str, String)],
     body: Option<Value>,
-) -> Result<(), String> {
+    print: bool,
+) -> Result<Value, String> {
     let token = std::env::var(&remote.token_env).map_err(|_| {
         format!(
             "set ${} to an admin token (auth.admin_tokens)",
@@ -322,13 +332,16 @@ async fn call_admin(
         .map_err(|e| format!("cannot reach {url}: {e}"))?;
     let status = response.status();
     let text = response.text().await.map_err(|e| e.to_string())?;
-    let pretty = serde_json::from_str::<Value>(&text)
-        .ok()
-        .and_then(|v| serde_json::to_string_pretty(&v).ok())
+    let value = serde_json::from_str::<Value>(&text).ok();
+    let pretty = value
+        .as_ref()
+        .and_then(|v| serde_json::to_string_pretty(v).ok())
         .unwrap_or(text);
     if status.is_success() {
-        println!("{pretty}");
-        Ok(())
+        if print {
+            println!("{pretty}");
+        }
+        Ok(value.unwrap_or(Value::Null))
     } else {
         Err(format!("{status}: {pretty}"))
     }
@@ -337,6 +350,7 @@ async fn call_admin(
 async fn messages(command: MessagesCommand) -> Result<(), String> {
     match command {
         MessagesCommand::List {
+            json,
             remote,
             selection,
             limit,
@@ -345,11 +359,26 @@ async fn messages(command: MessagesCommand) -> Result<(), String> {
             let mut q = selection.fields();
             q.push(("limit", limit.to_string()));
             q.extend(cursor.map(|c| ("cursor", c)));
-            call_admin(&remote, reqwest::Method::GET, "/v1/messages", &q, None).await
+            let table = !json && std::io::IsTerminal::is_terminal(&std::io::stdout());
+            let page = call_admin(
+                &remote,
+                reqwest::Method::GET,
+                "/v1/messages",
+                &q,
+                None,
+                !table,
+            )
+            .await?;
+            if table {
+                print!("{}", callbackd::cli::render_table(&page));
+            }
+            Ok(())
         }
         MessagesCommand::Show { remote, id } => {
             let path = format!("/v1/messages/{id}");
-            call_admin(&remote, reqwest::Method::GET, &path, &[], None).await
+            call_admin(&remote, reqwest::Method::GET, &path, &[], None, true)
+                .await
+                .map(drop)
         }
     }
 }
@@ -374,6 +403,7 @@ async fn main() -> ExitCode {
                 }
             };
         }
+        Command::SendTest(args) => callbackd::cli::send_test(args).await,
         Command::Messages { command } => messages(command).await,
         Command::Resend {
             remote,
@@ -398,8 +428,10 @@ async fn main() -> ExitCode {
                 "/v1/admin/resend",
                 &[],
                 Some(Value::Object(body)),
+                true,
             )
             .await
+            .map(drop)
         }
     };
     match result {

@@ -15,9 +15,23 @@ pub const QUEUE_DEPTH: &str = "callbackd_queue_depth";
 pub const ACCEPT_SECONDS: &str = "callbackd_accept_duration_seconds";
 pub const DELIVERY_SECONDS: &str = "callbackd_delivery_duration_seconds";
 pub const BUFFERED_BYTES: &str = "callbackd_http_buffered_bytes";
+pub const ALERTS: &str = "callbackd_dead_letter_alerts_total";
+pub const DELIVERY_FAILURES: &str = "callbackd_delivery_failures_total";
+pub const OLDEST_PENDING_AGE: &str = "callbackd_oldest_pending_age_seconds";
+pub const STORE_UP: &str = "callbackd_store_up";
+pub const BUILD_INFO: &str = "callbackd_build_info";
+
+/// Metrics that are set, not counted: read at scrape time.
+pub const GAUGES: [&str; 5] = [
+    QUEUE_DEPTH,
+    BUFFERED_BYTES,
+    OLDEST_PENDING_AGE,
+    STORE_UP,
+    BUILD_INFO,
+];
 
 /// Every metric with its labels and meaning, for README's table and `/metrics` HELP lines.
-pub const CATALOGUE: [(&str, &str, &str); 10] = [
+pub const CATALOGUE: [(&str, &str, &str); 15] = [
     (
         CALLBACKS,
         "source, outcome",
@@ -60,6 +74,31 @@ pub const CATALOGUE: [(&str, &str, &str); 10] = [
         "",
         "Request body bytes held in memory now, of server.max_buffered_bytes, at scrape time",
     ),
+    (
+        DELIVERY_FAILURES,
+        "kind, class",
+        "Failed delivery attempts by class: 1xx, 3xx, 4xx, 5xx (status), timeout, connect, refused_address, request, bad_url",
+    ),
+    (
+        ALERTS,
+        "reason",
+        "Dead-letter alerts recorded for delivery to [alerts] webhook_url: gone, expired",
+    ),
+    (
+        OLDEST_PENDING_AGE,
+        "",
+        "Age of the oldest message not delivered yet (pending or in flight), 0 when none, read at scrape time",
+    ),
+    (
+        STORE_UP,
+        "",
+        "1 when the store answered the scrape's reads, 0 when it did not",
+    ),
+    (
+        BUILD_INFO,
+        "version",
+        "Always 1; the label carries the running version",
+    ),
 ];
 
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -80,7 +119,7 @@ pub fn handle() -> PrometheusHandle {
             // our handle renders only what we record through it, which is still correct.
             let _ = metrics::set_global_recorder(recorder);
             for (name, _, help) in CATALOGUE {
-                if name == QUEUE_DEPTH || name == BUFFERED_BYTES {
+                if GAUGES.contains(&name) {
                     metrics::describe_gauge!(name, help);
                 } else if name.ends_with("_seconds") {
                     metrics::describe_histogram!(name, metrics::Unit::Seconds, help);

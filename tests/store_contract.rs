@@ -19,7 +19,7 @@ use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Attempt, Claim, Claimed, Completion, ListFilter, MessageId,
     MessageKind, MessageRecord, MessageState, Millis, NewMessage, OperationReservation,
-    PaymentTransition, QueueDepth, ResendEffect, SignatureSeal, Store, StoreError,
+    PaymentTransition, QueueDepth, ReceiverAnswer, ResendEffect, SignatureSeal, Store, StoreError,
 };
 use redis_support::RedisServer;
 
@@ -251,6 +251,13 @@ fn delivery(attempt: u32, at: Millis, status: u16) -> Attempt {
         error: None,
         latency_ms: Some(12),
         request_id: None,
+        // Every store keeps the receiver's answer with the row, unchanged.
+        response: Some(ReceiverAnswer {
+            content_type: Some("application/json".into()),
+            retry_after: None,
+            body: format!("{{\"status\":{status}}}"),
+            body_truncated: false,
+        }),
     }
 }
 
@@ -263,6 +270,7 @@ fn resend_mark(at: Millis) -> Attempt {
         error: None,
         latency_ms: None,
         request_id: Some("op-1".into()),
+        response: None,
     }
 }
 

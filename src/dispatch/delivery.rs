@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use super::schedule::{Backoff, Next, next_attempt};
 use super::ssrf::{REFUSED_ADDRESS, is_forbidden};
 use crate::inbound::signature::sign_standard_webhook;
-use crate::store::{Claimed, Completion, Millis};
+use crate::store::{Claimed, Completion, KEPT_BODY_BYTES, Millis, ReceiverAnswer};
 
 pub const MESSAGE_ID_HEADER: &str = "x-callbackd-message-id";
 pub const ATTEMPT_HEADER: &str = "x-callbackd-attempt";
@@ -29,6 +29,8 @@ pub struct AttemptResult {
     /// `request`.
     pub error: Option<String>,
     pub retry_after: Option<RetryAfter>,
+    /// The receiver's answer (bounded), when there was one.
+    pub response: Option<ReceiverAnswer>,
 }
 
 /// A target's `Retry-After`, as it came: a delay, or an instant. An instant is resolved when
@@ -94,6 +96,25 @@ pub fn classify(
     }
 }
 
+/// The class of a failed attempt, for the failures metric: the status class when the receiver
+/// answered, else the error class. Always one of a fixed set, so labels stay bounded.
+pub fn failure_class(result: &AttemptResult) -> &'static str {
+    match (result.status, result.error.as_deref()) {
+        (Some(s), _) => match s / 100 {
+            1 => "1xx",
+            2 => "2xx",
+            3 => "3xx",
+            4 => "4xx",
+            _ => "5xx",
+        },
+        (None, Some("timeout")) => "timeout",
+        (None, Some("connect")) => "connect",
+        (None, Some(REFUSED_ADDRESS)) => "refused_address",
+        (None, Some("bad_url")) => "bad_url",
+        (None, _) => "request",
+    }
+}
+
 /// `Retry-After` as delay-seconds or an HTTP date.
 pub fn parse_retry_after(value: &str) -> Option<RetryAfter> {
     let value = value.trim();
@@ -125,6 +146,8 @@ pub fn build_headers(
             headers.insert(n, v);
         }
     }
+    // Each attempt is a new span of the trace the message arrived with.
+    crate::trace::new_span(&mut headers);
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
@@ -169,6 +192,7 @@ pub async fn send(
         status: None,
         error: Some(class.to_string()),
         retry_after: None,
+        response: None,
     };
     let Ok(parsed) = reqwest::Url::parse(url) else {
         return failure("bad_url");
@@ -185,13 +209,24 @@ pub async fn send(
     match response {
         Ok(mut resp) => {
             let status = resp.status().as_u16();
-            let retry_after = resp
-                .headers()
-                .get(header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(parse_retry_after);
+            let header_text = |name| {
+                resp.headers()
+                    .get(name)
+                    .and_then(|v: &HeaderValue| v.to_str().ok())
+                    .map(str::to_string)
+            };
+            let retry_after_text = header_text(header::RETRY_AFTER);
+            let content_type = header_text(header::CONTENT_TYPE);
+            let retry_after = retry_after_text.as_deref().and_then(parse_retry_after);
+            // The start is kept for the operator; the rest is read (up to a bound) so the
+            // connection can go back to the pool, and dropped.
+            let mut kept = Vec::new();
             let mut read = 0;
             while let Ok(Some(chunk)) = resp.chunk().await {
+                if kept.len() <= KEPT_BODY_BYTES {
+                    let room = KEPT_BODY_BYTES + 1 - kept.len();
+                    kept.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                }
                 read += chunk.len();
                 if read > MAX_RESPONSE_BODY {
                     break;
@@ -201,6 +236,12 @@ pub async fn send(
                 status: Some(status),
                 error: None,
                 retry_after,
+                response: Some(ReceiverAnswer::new(
+                    content_type.as_deref(),
+                    retry_after_text.as_deref(),
+                    &kept,
+                    false,
+                )),
             }
         }
         Err(e) => failure(error_class(&e)),
@@ -262,6 +303,7 @@ mod tests {
             status: Some(s),
             error: None,
             retry_after: None,
+            response: None,
         }
     }
 
@@ -284,6 +326,7 @@ mod tests {
             status: None,
             error: Some("timeout".into()),
             retry_after: None,
+            response: None,
         };
         assert_eq!(
             classify(&timeout, BACKOFF, &claimed(3, 100_000), 0, 0.0),
@@ -293,6 +336,7 @@ mod tests {
             status: Some(429),
             error: None,
             retry_after: Some(RetryAfter::DelayMs(30_000)),
+            response: None,
         };
         assert_eq!(
             classify(&later, BACKOFF, &c, 5, 0.0),
@@ -326,6 +370,22 @@ mod tests {
     }
 
     #[test]
+    fn failure_classes() {
+        assert_eq!(failure_class(&status(503)), "5xx");
+        assert_eq!(failure_class(&status(410)), "4xx");
+        assert_eq!(failure_class(&status(302)), "3xx");
+        for class in ["timeout", "connect", REFUSED_ADDRESS, "bad_url", "request"] {
+            let r = AttemptResult {
+                status: None,
+                error: Some(class.into()),
+                retry_after: None,
+                response: None,
+            };
+            assert_eq!(failure_class(&r), class);
+        }
+    }
+
+    #[test]
     fn retry_after_forms() {
         assert_eq!(parse_retry_after("120"), Some(RetryAfter::DelayMs(120_000)));
         assert_eq!(parse_retry_after(" 0 "), Some(RetryAfter::DelayMs(0)));
@@ -339,6 +399,20 @@ mod tests {
         assert_eq!(RetryAfter::At(1_000_000_000).delay_ms(1_000_090_000), 0);
         assert_eq!(parse_retry_after("soon"), None);
         assert_eq!(parse_retry_after("-5"), None);
+    }
+
+    #[test]
+    fn kept_answer_is_bounded_on_a_character_boundary() {
+        // 2047 ASCII bytes then a 2-byte character that the cut splits.
+        let mut body = vec![b'a'; KEPT_BODY_BYTES - 1];
+        body.extend_from_slice("é and more".as_bytes());
+        let answer = ReceiverAnswer::new(Some("text/plain"), Some("30"), &body, false);
+        assert_eq!(answer.body.len(), KEPT_BODY_BYTES - 1);
+        assert!(answer.body_truncated);
+        assert_eq!(answer.retry_after.as_deref(), Some("30"));
+        let short = ReceiverAnswer::new(None, None, "{\"ok\":false}".as_bytes(), false);
+        assert_eq!(short.body, "{\"ok\":false}");
+        assert!(!short.body_truncated);
     }
 
     #[test]

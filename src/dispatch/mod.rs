@@ -20,9 +20,11 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::alerts::{Alerts, DeathReason, is_alert};
 use crate::clock::Clock;
 use crate::config::{Config, DispatchConfig};
 use crate::metrics as m;
+use crate::stats::DeliveryStats;
 use crate::store::{Attempt, Claimed, MessageKind, Store};
 use delivery::{AttemptResult, Verdict};
 use schedule::Backoff;
@@ -62,6 +64,10 @@ pub struct Dispatcher {
     /// Claims being delivered, so shutdown can hand their leases back.
     in_flight: Mutex<HashMap<String, Claimed>>,
     wake: Arc<Notify>,
+    /// Per-minute counts for the console, when the server shows them.
+    stats: Option<Arc<DeliveryStats>>,
+    /// Where dead letters are announced (`[alerts]`), if anywhere.
+    alerts: Option<Alerts>,
 }
 
 impl Dispatcher {
@@ -121,7 +127,15 @@ impl Dispatcher {
             sources,
             in_flight: Mutex::new(HashMap::new()),
             wake,
+            stats: None,
+            alerts: Alerts::from_config(config),
         })
+    }
+
+    /// Counts every attempt in `stats` (the console's deliveries-per-minute chart).
+    pub fn with_stats(mut self, stats: Arc<DeliveryStats>) -> Dispatcher {
+        self.stats = Some(stats);
+        self
     }
 
     /// Claims what is due now (up to the free permits) and starts delivering it in `tasks`.
@@ -277,13 +291,20 @@ impl Dispatcher {
             self.untrack(&c);
             return;
         };
-        let source = c
-            .message
-            .source
-            .as_ref()
-            .and_then(|s| self.sources.get(s))
-            .cloned()
-            .unwrap_or_default();
+        let source = match &self.alerts {
+            // Alerts are signed with the alert secret, so the receiver can trust them.
+            Some(alerts) if is_alert(&c.message) => SourceDelivery {
+                headers: BTreeMap::new(),
+                signing_secret: Some(alerts.secret().to_vec()),
+            },
+            _ => c
+                .message
+                .source
+                .as_ref()
+                .and_then(|s| self.sources.get(s))
+                .cloned()
+                .unwrap_or_default(),
+        };
         let at = self.clock.now_ms();
         let headers = delivery::build_headers(
             &c,
@@ -304,6 +325,9 @@ impl Dispatcher {
         let now = self.clock.now_ms();
         let verdict = delivery::classify(&result, self.backoff, &c, now, rand::random::<f64>());
         self.record_metrics(&c, &result, verdict, latency);
+        if let Some(stats) = &self.stats {
+            stats.record(now, verdict == Verdict::Delivered);
+        }
         let attempt = Attempt {
             kind: "delivery".into(),
             attempt: c.attempts + 1,
@@ -312,9 +336,51 @@ impl Dispatcher {
             error: result.error.clone(),
             latency_ms: Some(latency.as_millis() as u64),
             request_id: None,
+            response: result.response.clone(),
         };
+        if !self.announce_death(&c, &attempt, verdict, now).await {
+            // Not recorded: the lease runs out and the attempt is made again, so the death
+            // is announced then rather than never.
+            self.untrack(&c);
+            return;
+        }
         self.settle(&c, attempt, verdict, now).await;
         self.untrack(&c);
+    }
+
+    /// Accepts the dead-letter alert for a message this attempt kills, before its death is
+    /// recorded. False when the alert could not be recorded.
+    async fn announce_death(
+        &self,
+        c: &Claimed,
+        attempt: &Attempt,
+        verdict: Verdict,
+        now: i64,
+    ) -> bool {
+        let reason = match verdict {
+            Verdict::Gone => DeathReason::Gone,
+            Verdict::Expired => DeathReason::Expired,
+            Verdict::Delivered | Verdict::Retry(_) => return true,
+        };
+        let Some(alert) = self
+            .alerts
+            .as_ref()
+            .and_then(|a| a.dead_letter(c, attempt, reason, now))
+        else {
+            return true;
+        };
+        for backoff_ms in [0, 100, 500, 2_000] {
+            tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+            match self.store.accept(alert.clone(), now).await {
+                Ok(_) => {
+                    metrics::counter!(m::ALERTS, "reason" => reason.as_str()).increment(1);
+                    self.wake.notify_one();
+                    return true;
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot record the dead-letter alert yet"),
+            }
+        }
+        false
     }
 
     /// Records the outcome. A store error is retried briefly; if it persists, the lease
@@ -370,6 +436,8 @@ impl Dispatcher {
             Verdict::Delivered => {}
         }
         if verdict != Verdict::Delivered {
+            let class = delivery::failure_class(result);
+            metrics::counter!(m::DELIVERY_FAILURES, "kind" => kind, "class" => class).increment(1);
             tracing::info!(status = ?result.status, error = ?result.error, ?verdict, "delivery failed");
         }
     }

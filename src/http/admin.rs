@@ -9,7 +9,7 @@ use axum::Json;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -322,6 +322,9 @@ pub struct ResendRequest {
     /// Makes the resend idempotent: the same id returns the recorded answer and resends
     /// nothing; reused with a different selection it is a 422.
     pub request_id: Option<String>,
+    /// Only count what would be resent (answer: `dryRun`, `wouldResend`, `more`); resends
+    /// nothing and does not use `requestId`.
+    pub dry_run: Option<bool>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -412,6 +415,12 @@ pub async fn resend(
             "no_selector",
             "give `messageIds`, `paymentId`, `transactionId` or a `createdAtFrom`/`createdAtTo` window",
         ));
+    }
+    if req.dry_run == Some(true) {
+        let counted =
+            super::resend_count::count(&app, ids.as_deref(), filter, MAX_RESEND, RESEND_BATCH)
+                .await?;
+        return Ok(Json(counted).into_response());
     }
     let operation = req.request_id.clone().map(|request_id| Operation {
         key: format!("resend\n{request_id}"),
@@ -576,6 +585,7 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
         error: None,
         latency_ms: None,
         request_id: request_id.map(str::to_string),
+        response: None,
     };
     let fresh_deadline =
         now.saturating_add(app.config.dispatch.max_age_secs.saturating_mul(1000) as i64);

@@ -126,7 +126,11 @@ async fn accept(
         ordering_key,
         event,
         target_url: source.forward_url.clone(),
-        headers: Default::default(),
+        headers: {
+            let mut stored = Default::default();
+            crate::trace::carry(headers, &mut stored);
+            stored
+        },
         // Valid JSON is valid UTF-8, so this never fails after the parse above.
         body: String::from_utf8_lossy(&bytes).into_owned(),
         created_at: now,

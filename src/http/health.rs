@@ -36,7 +36,8 @@ pub async fn readyz(State(app): State<Arc<App>>) -> Result<Json<Value>, ApiError
 /// counters per partition, cheap), buffered body bytes from the budget.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text", content_type = "text/plain")), tag = "ops")]
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
-    if let Ok(depth) = app.store.depth().await {
+    let depth = app.store.depth().await;
+    if let Ok(depth) = &depth {
         for (state, n) in [
             ("pending", depth.pending),
             ("in_flight", depth.in_flight),
@@ -45,6 +46,17 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
             metrics::gauge!(m::QUEUE_DEPTH, "state" => state).set(n as f64);
         }
     }
+    let oldest = app.store.oldest_unfinished().await;
+    if let Ok(oldest) = &oldest {
+        let now = app.clock.now_ms();
+        let age_ms = oldest
+            .as_ref()
+            .map_or(0, |id| (now - id.created_at()).max(0));
+        metrics::gauge!(m::OLDEST_PENDING_AGE).set(age_ms as f64 / 1000.0);
+    }
+    let up = depth.is_ok() && oldest.is_ok();
+    metrics::gauge!(m::STORE_UP).set(if up { 1.0 } else { 0.0 });
+    metrics::gauge!(m::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     let held = app.config.server.max_buffered_bytes - app.body_budget.available_permits();
     metrics::gauge!(m::BUFFERED_BYTES).set(held as f64);
     let mut response = app.metrics.render().into_response();

@@ -4,9 +4,11 @@
 pub mod admin;
 pub mod auth;
 pub mod callbacks;
+pub mod console;
 pub mod health;
 pub mod notifications;
 pub mod openapi;
+pub mod resend_count;
 pub mod server;
 
 use std::sync::Arc;
@@ -57,6 +59,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(health::metrics))
         .route("/openapi.json", get(openapi::spec))
         .route("/", get(health::index))
+        .merge(console::routes())
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async {
             ApiError::MethodNotAllowed("this route does not take that method".into())

@@ -165,7 +165,11 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
         ordering_key,
         event: None,
         target_url: Some(req.callback_url.clone()),
-        headers: req.headers.clone().unwrap_or_default(),
+        headers: {
+            let mut stored = req.headers.clone().unwrap_or_default();
+            crate::trace::carry(headers, &mut stored);
+            stored
+        },
         body: delivered_body.to_string(),
         created_at: now,
         deadline,

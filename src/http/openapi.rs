@@ -24,6 +24,7 @@ use super::{admin, callbacks, health, notifications};
     components(schemas(
         crate::error::ErrorBody,
         crate::store::Attempt,
+        crate::store::ReceiverAnswer,
         crate::store::MessageState,
         crate::store::MessageKind,
         crate::store::ResendEffect,

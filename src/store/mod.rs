@@ -207,6 +207,61 @@ pub struct Attempt {
     /// The resend request id, for resend marks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
+    /// What the receiver answered, for deliveries that got an HTTP status. Absent in rows
+    /// written before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response: Option<ReceiverAnswer>,
+}
+
+/// Bytes of a receiver's body kept with its attempt: enough to read why it refused, bounded so
+/// a chatty receiver cannot grow a message's history (at most 101 rows are kept).
+pub const KEPT_BODY_BYTES: usize = 2048;
+/// Characters of a kept response header value.
+pub const KEPT_HEADER_CHARS: usize = 256;
+
+/// The receiver's answer to one attempt, bounded.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReceiverAnswer {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_type: Option<String>,
+    /// `Retry-After` as sent (seconds or an HTTP date).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<String>,
+    /// The first [`KEPT_BODY_BYTES`] bytes of the body as text (invalid UTF-8 replaced).
+    #[serde(default)]
+    pub body: String,
+    /// True when the body was longer than what is kept.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub body_truncated: bool,
+}
+
+impl ReceiverAnswer {
+    /// Keeps the first [`KEPT_BODY_BYTES`] of `body` (cut on a character boundary) and
+    /// bounded header values.
+    pub fn new(
+        content_type: Option<&str>,
+        retry_after: Option<&str>,
+        body: &[u8],
+        truncated: bool,
+    ) -> ReceiverAnswer {
+        let cut = &body[..body.len().min(KEPT_BODY_BYTES)];
+        let text = match std::str::from_utf8(cut) {
+            Ok(s) => s.to_string(),
+            // Only the cut split a character: drop its first bytes.
+            Err(e) if e.error_len().is_none() => {
+                String::from_utf8_lossy(&cut[..e.valid_up_to()]).into_owned()
+            }
+            Err(_) => String::from_utf8_lossy(cut).into_owned(),
+        };
+        let header = |v: Option<&str>| v.map(|v| v.chars().take(KEPT_HEADER_CHARS).collect());
+        ReceiverAnswer {
+            content_type: header(content_type),
+            retry_after: header(retry_after),
+            body: text,
+            body_truncated: truncated || body.len() > KEPT_BODY_BYTES,
+        }
+    }
 }
 
 /// A message leased to a worker.
@@ -406,6 +461,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Option<String>, StoreError>;
 
     async fn depth(&self) -> Result<QueueDepth, StoreError>;
+
+    /// The id of the oldest message not finished yet (`pending` or `in_flight`), whose
+    /// creation time is in the id: how far behind delivery is.
+    async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError>;
 
     /// Deletes up to [`SWEEP_LIMIT`] expired keys or rows per partition: messages finished
     /// more than the retention ago (with their history and index entries), dedupe claims,

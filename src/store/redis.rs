@@ -855,6 +855,29 @@ impl Store for RedisStore {
         Ok(depth)
     }
 
+    async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
+        // Ids sort by creation time and the state indexes are lexical: the first member of
+        // each is its oldest.
+        let mut pipe = redis::pipe();
+        for p in 0..PARTITIONS {
+            let keys = Keys::of_partition(p);
+            for state in [MessageState::Pending, MessageState::InFlight] {
+                pipe.zrange(keys.index(Some(state)), 0, 0);
+            }
+        }
+        let mut conn = self.conn.clone();
+        let firsts: Vec<Vec<String>> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
+        firsts
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|id| {
+                MessageId::parse(&id)
+                    .ok_or_else(|| StoreError::Corrupt(format!("message id `{id}`")))
+            })
+            .transpose()
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         redis::cmd("PING")

@@ -1414,6 +1414,29 @@ impl Store for SqliteStore {
         self.read(depth_tx).await
     }
 
+    async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
+        self.read(|conn| {
+            // Two lookups on the (state, id) index instead of a scan of both states.
+            let oldest: Option<String> = conn
+                .query_row(
+                    "SELECT min(id) FROM (\
+                       SELECT min(id) AS id FROM messages WHERE state = 'pending' \
+                       UNION ALL \
+                       SELECT min(id) FROM messages WHERE state = 'in_flight')",
+                    [],
+                    |r| r.get(0),
+                )
+                .db()?;
+            oldest
+                .map(|id| {
+                    MessageId::parse(&id)
+                        .ok_or_else(|| StoreError::Corrupt(format!("message id `{id}`")))
+                })
+                .transpose()
+        })
+        .await
+    }
+
     /// A command of its own with no `now`, so its batch does not sweep first and the count
     /// is what this call removed.
     async fn sweep(&self, now: Millis) -> Result<usize, StoreError> {

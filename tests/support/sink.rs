@@ -45,7 +45,15 @@ impl Reply {
     }
 }
 
-type Responder = dyn Fn(&Received, usize) -> Reply + Send + Sync;
+/// A reply with a body, for tests that look at what the receiver answered.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub reply: Reply,
+    pub content_type: Option<String>,
+    pub body: Vec<u8>,
+}
+
+type Responder = dyn Fn(&Received, usize) -> Answer + Send + Sync;
 
 struct Inner {
     received: Mutex<Vec<Received>>,
@@ -67,6 +75,18 @@ impl Sink {
     /// `responder(request, index)` decides each answer; index counts every request from 0.
     pub async fn start(
         responder: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static,
+    ) -> Sink {
+        Sink::answering(move |r, n| Answer {
+            reply: responder(r, n),
+            content_type: None,
+            body: Vec::new(),
+        })
+        .await
+    }
+
+    /// Like [`Sink::start`], with a body and its content type in each answer.
+    pub async fn answering(
+        responder: impl Fn(&Received, usize) -> Answer + Send + Sync + 'static,
     ) -> Sink {
         let inner = Arc::new(Inner {
             received: Mutex::new(Vec::new()),
@@ -108,11 +128,25 @@ async fn handle(
         all.push(received.clone());
         all.len() - 1
     };
-    let reply = (inner.responder)(&received, index);
+    let Answer {
+        reply,
+        content_type,
+        body,
+    } = (inner.responder)(&received, index);
     if !reply.delay.is_zero() {
         tokio::time::sleep(reply.delay).await;
     }
-    let mut response = StatusCode::from_u16(reply.status).unwrap().into_response();
+    let mut response = (StatusCode::from_u16(reply.status).unwrap(), body).into_response();
+    match content_type {
+        Some(ct) => {
+            response
+                .headers_mut()
+                .insert("content-type", ct.parse().unwrap());
+        }
+        None => {
+            response.headers_mut().remove("content-type");
+        }
+    }
     if let Some(ra) = reply.retry_after {
         response
             .headers_mut()

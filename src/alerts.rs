@@ -1,0 +1,235 @@
+//! Dead-letter alerts: when a message goes dead, callbackd posts a `message.dead` event to
+//! `[alerts] webhook_url`, signed with Standard Webhooks (`[alerts] secret`).
+//!
+//! The alert is itself a message: it is accepted into the store like any other before the
+//! dead letter is recorded, so it is delivered with the same retries and survives restarts.
+//! If the alert cannot be recorded, neither is the dead letter (the lease runs out and the
+//! attempt is made again), so a dead letter never goes unannounced. A crash between the two
+//! steps repeats the attempt, and the alert's dedupe key (message id and attempt number)
+//! keeps the repeat from announcing the same death twice. An alert that dies itself is not
+//! announced: alerts never alert about alerts.
+
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use crate::clock::format_iso;
+use crate::config::{Config, ConfigError, decode_whsec};
+use crate::digest::short_hash;
+use crate::store::{
+    AcceptRequest, Attempt, Claim, Claimed, MessageId, MessageKind, Millis, NewMessage,
+};
+use crate::trace::{TRACEPARENT, TRACESTATE};
+
+/// The event type of a dead-letter alert (its `type` and `X-Callback-Event`).
+pub const DEAD_EVENT: &str = "message.dead";
+/// Ordering keys of alert messages start with this: each alert is its own key, so one slow
+/// alert receiver never holds another alert back, and a dead alert is known as one.
+const ORDERING_PREFIX: &str = "alert/";
+
+/// `[alerts]` in the config file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlertsConfig {
+    /// Where `message.dead` events are posted.
+    pub webhook_url: String,
+    /// `whsec_<base64>`: the Standard Webhooks signing secret the receiver verifies with.
+    pub secret: String,
+    /// Base URL operators open the console at, for the link in each alert
+    /// (default: `http://<server.listen>`).
+    #[serde(default)]
+    pub console_url: Option<String>,
+}
+
+impl AlertsConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: String| ConfigError::Invalid {
+            key: format!("alerts.{key}"),
+            message,
+        };
+        let url = reqwest::Url::parse(&self.webhook_url)
+            .map_err(|e| invalid("webhook_url", format!("not a URL: {e}")))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(invalid("webhook_url", "must be http or https".into()));
+        }
+        if !self.secret.starts_with("whsec_") {
+            return Err(invalid(
+                "secret",
+                "must be a Standard Webhooks secret, `whsec_<base64>`".into(),
+            ));
+        }
+        let key = decode_whsec(&self.secret).map_err(|m| invalid("secret", m))?;
+        if key.len() < 16 {
+            return Err(invalid("secret", "must hold at least 16 bytes".into()));
+        }
+        if let Some(base) = &self.console_url {
+            reqwest::Url::parse(base)
+                .map_err(|e| invalid("console_url", format!("not a URL: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a message is a dead-letter alert.
+pub fn is_alert(message: &NewMessage) -> bool {
+    message.ordering_key.starts_with(ORDERING_PREFIX)
+}
+
+/// Why a message went dead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeathReason {
+    /// The receiver answered 410 Gone.
+    Gone,
+    /// The delivery window ran out.
+    Expired,
+}
+
+impl DeathReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeathReason::Gone => "gone",
+            DeathReason::Expired => "expired",
+        }
+    }
+}
+
+/// The configured alert target, ready to make alert messages.
+#[derive(Debug, Clone)]
+pub struct Alerts {
+    url: String,
+    secret: Vec<u8>,
+    console_base: String,
+    max_age_ms: i64,
+    dedupe_ttl_secs: u64,
+}
+
+impl Alerts {
+    /// `None` without an `[alerts]` section (or with an invalid one, which validation refuses
+    /// before this runs).
+    pub fn from_config(config: &Config) -> Option<Alerts> {
+        let a = config.alerts.as_ref()?;
+        Some(Alerts {
+            url: a.webhook_url.clone(),
+            secret: decode_whsec(&a.secret).ok()?,
+            console_base: a
+                .console_url
+                .clone()
+                .unwrap_or_else(|| format!("http://{}", config.server.listen))
+                .trim_end_matches('/')
+                .to_string(),
+            max_age_ms: config.dispatch.max_age_secs.saturating_mul(1000) as i64,
+            dedupe_ttl_secs: config.store.dedupe_ttl_secs,
+        })
+    }
+
+    /// The key alert deliveries are signed with.
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
+    }
+
+    /// The alert announcing that `claimed` went dead after `attempt`, to be accepted before
+    /// the dead letter is recorded; `None` when the dead message is an alert itself.
+    pub fn dead_letter(
+        &self,
+        claimed: &Claimed,
+        attempt: &Attempt,
+        reason: DeathReason,
+        now: Millis,
+    ) -> Option<AcceptRequest> {
+        let dead = &claimed.message;
+        if is_alert(dead) {
+            return None;
+        }
+        let mut data = Map::new();
+        data.insert("messageId".into(), json!(dead.id.as_str()));
+        data.insert("kind".into(), json!(dead.kind));
+        match dead.kind {
+            MessageKind::Notification => {
+                data.insert("paymentId".into(), json!(dead.payment_id));
+            }
+            MessageKind::Inbound => {
+                data.insert("source".into(), json!(dead.source));
+                data.insert("transactionId".into(), json!(dead.transaction_id));
+            }
+        }
+        if let Some(event) = &dead.event {
+            data.insert("event".into(), json!(event));
+        }
+        data.insert("reason".into(), json!(reason.as_str()));
+        data.insert("attempts".into(), json!(attempt.attempt));
+        data.insert("lastStatus".into(), json!(attempt.status));
+        if let Some(error) = &attempt.error {
+            data.insert("lastError".into(), json!(error));
+        }
+        data.insert("targetUrl".into(), json!(dead.target_url));
+        data.insert(
+            "consoleUrl".into(),
+            json!(format!(
+                "{}/console/messages/{}",
+                self.console_base, dead.id
+            )),
+        );
+        let body = json!({
+            "type": DEAD_EVENT,
+            "timestamp": format_iso(now),
+            "data": Value::Object(data),
+        })
+        .to_string();
+        let ordering_key = format!("{ORDERING_PREFIX}{}", dead.id);
+        let message = NewMessage {
+            id: MessageId::generate(now, &ordering_key),
+            kind: MessageKind::Notification,
+            source: None,
+            payment_id: None,
+            transaction_id: None,
+            ordering_key,
+            event: Some(DEAD_EVENT.to_string()),
+            target_url: Some(self.url.clone()),
+            // The alert continues the dead message's trace, if it had one.
+            headers: dead
+                .headers
+                .iter()
+                .filter(|(k, _)| k.as_str() == TRACEPARENT || k.as_str() == TRACESTATE)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            body,
+            created_at: now,
+            deadline: now.saturating_add(self.max_age_ms),
+        };
+        Some(AcceptRequest {
+            claim: Claim {
+                // One alert per death: a repeat of the same attempt (after a crash) replays.
+                key: short_hash(format!("alert\n{}\n{}", dead.id, attempt.attempt).as_bytes()),
+                ttl_secs: self.dedupe_ttl_secs,
+                fingerprint: String::new(),
+                response: String::new(),
+            },
+            message,
+            payment: None,
+            seal: None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::config::Config;
+
+    fn load(alerts: &str) -> Result<Config, String> {
+        let text = format!("[store]\nurl = \"sqlite:///tmp/x.db\"\n[alerts]\n{alerts}");
+        Config::from_toml_str(&text, Path::new("t.toml"), std::iter::empty())
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn alerts_config_is_validated_naming_the_key() {
+        let ok = "webhook_url = \"https://ops.example.com/hooks\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"";
+        assert!(load(ok).unwrap().alerts.is_some());
+        let raw = "webhook_url = \"https://ops.example.com/hooks\"\nsecret = \"plain\"";
+        assert!(load(raw).unwrap_err().contains("alerts.secret"));
+        let url = "webhook_url = \"ftp://x\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"";
+        assert!(load(url).unwrap_err().contains("alerts.webhook_url"));
+        assert!(load("secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"").is_err());
+    }
+}

@@ -1,0 +1,145 @@
+//! `callbackd send-test` and `callbackd messages list` as a user runs them (issue 15): the
+//! real binary against a server on 127.0.0.1.
+
+mod support;
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use support::{ADMIN_TOKEN, TestServer, config};
+
+fn callbackd(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .args(args)
+        .env("CALLBACKD_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env_remove("CALLBACKD_CONFIG")
+        .output()
+        .expect("run callbackd")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The repository's example config signs what a server with the same secret accepts; the
+/// same event again is a replay; a wrong secret is refused with exit code 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_test_signs_with_the_example_configs_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("cli.db").display());
+    let mut cfg = config(&store, None);
+    cfg.sources.get_mut("payzu").unwrap().secrets = vec!["change-me-payzu-secret".into()];
+    let server = TestServer::start(cfg).await;
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config.toml");
+    let args = [
+        "send-test",
+        "--config",
+        example,
+        "--source",
+        "payzu",
+        "--url",
+        &server.url,
+        "--id",
+        "tx-cli-1",
+        "--status",
+        "COMPLETED",
+        "--event",
+        "PAYMENT_UPDATED",
+    ];
+    let first = callbackd(&args);
+    assert!(first.status.success(), "{first:?}");
+    let out = stdout(&first);
+    assert!(out.contains("HTTP 200 OK\n"), "{out}");
+    assert!(out.contains("\"messageId\":\"msg_"), "{out}");
+    let again = callbackd(&args);
+    assert!(again.status.success());
+    assert!(stdout(&again).contains("HTTP 200 OK (replayed)"));
+
+    let page: Value = server
+        .admin_get("/v1/messages?source=payzu&transactionId=tx-cli-1")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let messages = page["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0]["event"], "PAYMENT_UPDATED");
+    assert_eq!(messages[0]["body"]["status"], "COMPLETED");
+
+    let wrong = dir.path().join("wrong.toml");
+    std::fs::write(
+        &wrong,
+        format!(
+            "[store]\nurl = \"{store}\"\n[sources.payzu]\nsecrets = [\"not-the-secret\"]\nsignature = \"payzu\"\n"
+        ),
+    )
+    .unwrap();
+    let refused = callbackd(&[
+        "send-test",
+        "--config",
+        wrong.to_str().unwrap(),
+        "--source",
+        "payzu",
+        "--url",
+        &server.url,
+    ]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("HTTP 401"));
+    let unknown = callbackd(&[
+        "send-test",
+        "--config",
+        example,
+        "--source",
+        "nope",
+        "--url",
+        &server.url,
+    ]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("no source `nope`"));
+    server.stop().await;
+}
+
+/// `messages list` prints JSON when asked or when piped, and a table on a terminal (run under
+/// `script`, which gives it one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_list_is_a_table_on_a_terminal_and_json_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("cli.db").display());
+    let server = TestServer::start(config(&store, None)).await;
+    let body =
+        r#"{"id":"tx-table","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":5}"#;
+    assert_eq!(
+        server.post_callback("payzu", body, None).await.status(),
+        200
+    );
+
+    for args in [
+        vec!["messages", "list", "--url", &server.url, "--json"],
+        vec!["messages", "list", "--url", &server.url],
+    ] {
+        let out = callbackd(&args);
+        assert!(out.status.success(), "{out:?}");
+        let page: Value = serde_json::from_slice(&out.stdout).expect("JSON when not a terminal");
+        assert_eq!(page["messages"][0]["transactionId"], "tx-table");
+    }
+
+    let command = format!(
+        "{} messages list --url {}",
+        env!("CARGO_BIN_EXE_callbackd"),
+        server.url
+    );
+    let tty = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env("CALLBACKD_ADMIN_TOKEN", ADMIN_TOKEN)
+        .output()
+        .expect("script (util-linux) gives the command a terminal");
+    assert!(tty.status.success(), "{tty:?}");
+    let table = stdout(&tty).replace('\r', "");
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("ID "), "{table}");
+    assert!(lines[0].contains("STATE"), "{table}");
+    assert!(lines[1].contains("payzu/tx-table"), "{table}");
+    assert!(lines[1].contains("recorded"), "{table}");
+    assert_eq!(lines[2], "1 message(s); end of the list");
+    server.stop().await;
+}
