@@ -57,6 +57,32 @@ pub fn format_iso(at: Millis) -> String {
     humantime::format_rfc3339_millis(at).to_string()
 }
 
+/// A delay for people and logs, without spaces: `850ms`, `1.2s`, `4m15s`, `2h8m15s`, `6d23h8m`.
+pub fn format_delay(ms: Millis) -> String {
+    let ms = ms.max(0);
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    if ms < 60_000 {
+        return format!("{:.1}s", ms as f64 / 1000.0);
+    }
+    let secs = ms / 1000;
+    let parts = [
+        (secs / 86_400, "d"),
+        (secs / 3600 % 24, "h"),
+        (secs / 60 % 60, "m"),
+        (secs % 60, "s"),
+    ];
+    let mut text = String::new();
+    for (n, unit) in parts {
+        // Seconds are noise once a delay runs to days.
+        if n > 0 && !(unit == "s" && secs >= 86_400) {
+            text.push_str(&format!("{n}{unit}"));
+        }
+    }
+    text
+}
+
 /// The forms [`parse_rfc3339`] accepts, for error messages.
 pub const RFC3339_FORMS: &str = "RFC 3339 with an offset, e.g. 2026-11-30T00:00:00-03:00, \
     2026-11-30T03:00:00Z or 2026-11-30T03:00:00.250Z";
@@ -91,5 +117,16 @@ mod tests {
         assert_eq!(parse_rfc3339("2025-11-30"), None, "a date alone is refused");
         assert_eq!(parse_rfc3339("2025-11-30T00:00:00"), None, "no offset");
         assert_eq!(parse_rfc3339("yesterday"), None);
+    }
+
+    #[test]
+    fn delays_read_without_spaces() {
+        assert_eq!(format_delay(850), "850ms");
+        assert_eq!(format_delay(1_234), "1.2s");
+        assert_eq!(format_delay(255_000), "4m15s");
+        assert_eq!(format_delay(3_600_000), "1h");
+        assert_eq!(format_delay(7_695_000), "2h8m15s");
+        assert_eq!(format_delay(604_080_000 - 60_000), "6d23h47m");
+        assert_eq!(format_delay(-5), "0ms");
     }
 }

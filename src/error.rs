@@ -1,5 +1,9 @@
 //! Every HTTP error of the API, mapped to a status and a JSON body in one place:
 //! `{"error": "<code>", "message": "<human text>"}`.
+//!
+//! [`ErrorCode`] is the one catalogue of codes: the README's error table, the OpenAPI
+//! `ErrorBody.error` enum and the metric outcomes are checked against it, and an error can
+//! only be built from one of its codes.
 
 use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -8,6 +12,87 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::store::StoreError;
+
+/// Declares the codes once, with their status and meaning, so the list of all codes cannot
+/// miss one.
+macro_rules! error_catalogue {
+    ($($variant:ident => $status:expr, $code:literal, $meaning:literal;)+) => {
+        /// Stable machine-readable error code.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+        #[serde(rename_all = "snake_case")]
+        pub enum ErrorCode {
+            $(#[doc = $meaning] $variant,)+
+        }
+
+        impl ErrorCode {
+            /// Every code, in the order of the README's table.
+            pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(ErrorCode::$variant => $code,)+
+                }
+            }
+
+            pub fn status(self) -> StatusCode {
+                match self {
+                    $(ErrorCode::$variant => $status,)+
+                }
+            }
+
+            pub fn meaning(self) -> &'static str {
+                match self {
+                    $(ErrorCode::$variant => $meaning,)+
+                }
+            }
+        }
+    };
+}
+
+error_catalogue! {
+    InvalidJson => StatusCode::BAD_REQUEST, "invalid_json",
+        "The body is not valid JSON.";
+    InvalidCallback => StatusCode::BAD_REQUEST, "invalid_callback",
+        "A callback body that is not a JSON object, or has no usable `id` or `status`.";
+    InvalidEventHeader => StatusCode::BAD_REQUEST, "invalid_event_header",
+        "`X-Callback-Event` is empty, longer than 128 characters or not visible ASCII.";
+    InvalidRequest => StatusCode::BAD_REQUEST, "invalid_request",
+        "A field of a hand-off or resend body, or the `Idempotency-Key` header, is missing or wrong; the message names it.";
+    InvalidQuery => StatusCode::BAD_REQUEST, "invalid_query",
+        "A list filter or resend selection is malformed (a bad time, state, id or limit); the message names it.";
+    NoSelector => StatusCode::BAD_REQUEST, "no_selector",
+        "A resend names no `messageIds`, `paymentId`, `transactionId` or time window.";
+    UnreadableBody => StatusCode::BAD_REQUEST, "unreadable_body",
+        "The body could not be read (a broken connection or chunked encoding).";
+    InvalidSignature => StatusCode::UNAUTHORIZED, "invalid_signature",
+        "A callback's signature is missing, wrong or outside the timestamp tolerance.";
+    Unauthorized => StatusCode::UNAUTHORIZED, "unauthorized",
+        "No `Authorization: Bearer` token, or an unknown one.";
+    Forbidden => StatusCode::FORBIDDEN, "forbidden",
+        "A known token of the other role (a connector token on an admin route, or the reverse).";
+    NotFound => StatusCode::NOT_FOUND, "not_found",
+        "No such message, or no such route.";
+    UnknownSource => StatusCode::NOT_FOUND, "unknown_source",
+        "No source of that name is configured.";
+    MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed",
+        "The route exists but does not take that method.";
+    RequestTimeout => StatusCode::REQUEST_TIMEOUT, "request_timeout",
+        "The body did not arrive within `server.request_timeout_secs`.";
+    InProgress => StatusCode::CONFLICT, "in_progress",
+        "A resend with the same `requestId` is still running.";
+    InvalidTransition => StatusCode::CONFLICT, "invalid_transition",
+        "The payment cannot move to that status from its current one (`from`, `to`).";
+    PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large",
+        "The body is larger than `server.max_body_bytes`.";
+    IdempotencyKeyReused => StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused",
+        "The idempotency key was used before with a different body.";
+    StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE, "store_unavailable",
+        "The store cannot record durably right now; nothing was recorded; retry after `Retry-After`.";
+    ServerBusy => StatusCode::SERVICE_UNAVAILABLE, "server_busy",
+        "Request bodies already fill `server.max_buffered_bytes`; nothing was recorded; retry after `Retry-After`.";
+    ShuttingDown => StatusCode::SERVICE_UNAVAILABLE, "shutting_down",
+        "`/readyz` once shutdown has begun: send requests to another instance.";
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -20,7 +105,7 @@ pub enum ApiError {
     #[error("this token may not use this route")]
     Forbidden,
     #[error("{message}")]
-    BadRequest { code: &'static str, message: String },
+    BadRequest { code: ErrorCode, message: String },
     #[error("body exceeds {0} bytes")]
     TooLarge(usize),
     #[error("the request body did not arrive within {0} s")]
@@ -44,32 +129,30 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    pub fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
+    pub fn bad_request(code: ErrorCode, message: impl Into<String>) -> ApiError {
         ApiError::BadRequest {
             code,
             message: message.into(),
         }
     }
 
-    fn status_and_code(&self) -> (StatusCode, &'static str) {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            ApiError::UnknownSource(_) => (StatusCode::NOT_FOUND, "unknown_source"),
-            ApiError::BadSignature(_) => (StatusCode::UNAUTHORIZED, "invalid_signature"),
-            ApiError::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized"),
-            ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
-            ApiError::BadRequest { code, .. } => (StatusCode::BAD_REQUEST, code),
-            ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
-            ApiError::RequestTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
-            ApiError::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
-            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
-            ApiError::InvalidTransition { .. } => (StatusCode::CONFLICT, "invalid_transition"),
-            ApiError::IdempotencyMismatch => {
-                (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
-            }
-            ApiError::Conflict(_) => (StatusCode::CONFLICT, "in_progress"),
-            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
-            ApiError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
-            ApiError::Busy => (StatusCode::SERVICE_UNAVAILABLE, "server_busy"),
+            ApiError::UnknownSource(_) => ErrorCode::UnknownSource,
+            ApiError::BadSignature(_) => ErrorCode::InvalidSignature,
+            ApiError::Unauthorized(_) => ErrorCode::Unauthorized,
+            ApiError::Forbidden => ErrorCode::Forbidden,
+            ApiError::BadRequest { code, .. } => *code,
+            ApiError::TooLarge(_) => ErrorCode::PayloadTooLarge,
+            ApiError::RequestTimeout(_) => ErrorCode::RequestTimeout,
+            ApiError::MethodNotAllowed(_) => ErrorCode::MethodNotAllowed,
+            ApiError::NotFound(_) => ErrorCode::NotFound,
+            ApiError::InvalidTransition { .. } => ErrorCode::InvalidTransition,
+            ApiError::IdempotencyMismatch => ErrorCode::IdempotencyKeyReused,
+            ApiError::Conflict(_) => ErrorCode::InProgress,
+            ApiError::Unavailable(_) => ErrorCode::StoreUnavailable,
+            ApiError::ShuttingDown => ErrorCode::ShuttingDown,
+            ApiError::Busy => ErrorCode::ServerBusy,
         }
     }
 }
@@ -83,8 +166,7 @@ impl From<StoreError> for ApiError {
 /// The JSON shape of every error.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
-    /// Stable machine-readable code, e.g. `invalid_signature`.
-    pub error: String,
+    pub error: ErrorCode,
     pub message: String,
     /// Current payment status (`invalid_transition` only).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -96,7 +178,8 @@ pub struct ErrorBody {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, code) = self.status_and_code();
+        let code = self.code();
+        let status = code.status();
         if let ApiError::Unavailable(e) = &self {
             tracing::warn!(error = %e, "store unavailable, answering 503");
         }
@@ -105,7 +188,7 @@ impl IntoResponse for ApiError {
             _ => (None, None),
         };
         let body = ErrorBody {
-            error: code.to_string(),
+            error: code,
             message: self.to_string(),
             from,
             to,
@@ -117,5 +200,23 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_serialize_as_their_catalogue_names_and_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for code in ErrorCode::ALL {
+            assert_eq!(
+                serde_json::to_value(code).unwrap(),
+                serde_json::Value::String(code.as_str().into())
+            );
+            assert!(seen.insert(code.as_str()), "{} twice", code.as_str());
+            assert!(code.status().is_client_error() || code.status().is_server_error());
+        }
     }
 }

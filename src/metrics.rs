@@ -5,6 +5,9 @@ use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::error::ErrorCode;
+use crate::store::{MessageKind, ResendEffect};
+
 pub const CALLBACKS: &str = "callbackd_callbacks_total";
 pub const NOTIFICATIONS: &str = "callbackd_notifications_total";
 pub const DELIVERIES: &str = "callbackd_deliveries_total";
@@ -30,76 +33,222 @@ pub const GAUGES: [&str; 5] = [
     BUILD_INFO,
 ];
 
-/// Every metric with its labels and meaning, for README's table and `/metrics` HELP lines.
-pub const CATALOGUE: [(&str, &str, &str); 15] = [
-    (
-        CALLBACKS,
-        "source, outcome",
-        "Provider callbacks by outcome: accepted, replayed, bad_signature, bad_request, too_large, unavailable, busy",
-    ),
-    (
-        NOTIFICATIONS,
-        "outcome",
-        "Connector hand-offs: accepted, replayed, invalid_transition, key_conflict, bad_request, unavailable, busy",
-    ),
-    (
-        DELIVERIES,
-        "kind, outcome",
-        "Delivery attempts: success, failure (kind: inbound, notification)",
-    ),
-    (RETRIES, "kind", "Retries scheduled after a failed attempt"),
-    (
-        DEAD_LETTERS,
-        "kind, reason",
-        "Messages dead-lettered: gone (410) or expired (window over)",
-    ),
-    (RESENDS, "effect", "Messages resent by operators, by effect"),
-    (
-        QUEUE_DEPTH,
-        "state",
-        "Messages by state (pending, in_flight, dead), read from the store at scrape time",
-    ),
-    (
-        ACCEPT_SECONDS,
-        "route",
-        "Time to verify, dedupe and durably record a callback or hand-off",
-    ),
-    (
-        DELIVERY_SECONDS,
-        "kind",
-        "Duration of one delivery attempt (HTTP round trip)",
-    ),
-    (
-        BUFFERED_BYTES,
-        "",
-        "Request body bytes held in memory now, of server.max_buffered_bytes, at scrape time",
-    ),
-    (
-        DELIVERY_FAILURES,
-        "kind, class",
-        "Failed delivery attempts by class: 1xx, 3xx, 4xx, 5xx (status), timeout, connect, refused_address, request, bad_url",
-    ),
-    (
-        ALERTS,
-        "reason",
-        "Dead-letter alerts recorded for delivery to [alerts] webhook_url: gone, expired",
-    ),
-    (
-        OLDEST_PENDING_AGE,
-        "",
-        "Age of the oldest message not delivered yet (pending or in flight), 0 when none, read at scrape time",
-    ),
-    (
-        STORE_UP,
-        "",
-        "1 when the store answered the scrape's reads, 0 when it did not",
-    ),
-    (
-        BUILD_INFO,
-        "version",
-        "Always 1; the label carries the running version",
-    ),
+/// One metric as documented: the README's metrics table and the `/metrics` HELP lines are
+/// both made from this (a test holds the README to it).
+pub struct MetricDoc {
+    pub name: &'static str,
+    pub labels: &'static [&'static str],
+    pub meaning: &'static str,
+    /// The values a label takes, for labels with a fixed set (not `source`).
+    pub values: &'static [(&'static str, &'static [&'static str])],
+}
+
+impl MetricDoc {
+    /// The HELP text: the meaning, then each label's values.
+    pub fn help(&self) -> String {
+        let mut help = self.meaning.to_string();
+        for (label, values) in self.values {
+            help.push_str(&format!("; {label}: {}", values.join(", ")));
+        }
+        help
+    }
+
+    /// The values `label` may take, if it has a fixed set.
+    pub fn values_of(&self, label: &str) -> Option<&'static [&'static str]> {
+        self.values
+            .iter()
+            .find(|(l, _)| *l == label)
+            .map(|(_, v)| *v)
+    }
+}
+
+pub const CALLBACK_OUTCOMES: &[&str] = &[
+    "accepted",
+    "replayed",
+    "bad_signature",
+    "bad_request",
+    "too_large",
+    "timeout",
+    "unavailable",
+    "busy",
+    "unknown_source",
 ];
+pub const NOTIFICATION_OUTCOMES: &[&str] = &[
+    "accepted",
+    "replayed",
+    "invalid_transition",
+    "key_conflict",
+    "bad_request",
+    "too_large",
+    "timeout",
+    "unauthorized",
+    "unavailable",
+    "busy",
+];
+const KINDS: &[&str] = &["inbound", "notification"];
+const DEATH_REASONS: &[&str] = &["gone", "expired"];
+const FAILURE_CLASSES: &[&str] = &[
+    "1xx",
+    "3xx",
+    "4xx",
+    "5xx",
+    "timeout",
+    "connect",
+    "refused_address",
+    "request",
+    "bad_url",
+];
+const RESEND_EFFECTS: &[&str] = &[
+    "requeued",
+    "expedited",
+    "queued",
+    "after_current",
+    "skipped",
+];
+
+/// Every metric with its labels and meaning.
+pub const CATALOGUE: [MetricDoc; 15] = [
+    MetricDoc {
+        name: CALLBACKS,
+        labels: &["source", "outcome"],
+        meaning: "Provider callbacks by outcome",
+        values: &[("outcome", CALLBACK_OUTCOMES)],
+    },
+    MetricDoc {
+        name: NOTIFICATIONS,
+        labels: &["outcome"],
+        meaning: "Connector hand-offs by outcome",
+        values: &[("outcome", NOTIFICATION_OUTCOMES)],
+    },
+    MetricDoc {
+        name: DELIVERIES,
+        labels: &["kind", "outcome"],
+        meaning: "Delivery attempts",
+        values: &[("kind", KINDS), ("outcome", &["success", "failure"])],
+    },
+    MetricDoc {
+        name: RETRIES,
+        labels: &["kind"],
+        meaning: "Retries scheduled after a failed attempt",
+        values: &[("kind", KINDS)],
+    },
+    MetricDoc {
+        name: DEAD_LETTERS,
+        labels: &["kind", "reason"],
+        meaning: "Messages dead-lettered: gone (410) or expired (window over)",
+        values: &[("kind", KINDS), ("reason", DEATH_REASONS)],
+    },
+    MetricDoc {
+        name: RESENDS,
+        labels: &["effect"],
+        meaning: "Messages resent by operators, by effect",
+        values: &[("effect", RESEND_EFFECTS)],
+    },
+    MetricDoc {
+        name: QUEUE_DEPTH,
+        labels: &["state"],
+        meaning: "Messages by state, read from the store at scrape time",
+        values: &[("state", &["pending", "in_flight", "dead"])],
+    },
+    MetricDoc {
+        name: ACCEPT_SECONDS,
+        labels: &["route"],
+        meaning: "Time to verify, dedupe and durably record a callback or hand-off",
+        values: &[("route", &["callbacks", "notifications"])],
+    },
+    MetricDoc {
+        name: DELIVERY_SECONDS,
+        labels: &["kind"],
+        meaning: "Duration of one delivery attempt (HTTP round trip)",
+        values: &[("kind", KINDS)],
+    },
+    MetricDoc {
+        name: BUFFERED_BYTES,
+        labels: &[],
+        meaning: "Request body bytes held in memory now, of server.max_buffered_bytes, at scrape time",
+        values: &[],
+    },
+    MetricDoc {
+        name: DELIVERY_FAILURES,
+        labels: &["kind", "class"],
+        meaning: "Failed delivery attempts by class: the status class when the receiver answered, else the error",
+        values: &[("kind", KINDS), ("class", FAILURE_CLASSES)],
+    },
+    MetricDoc {
+        name: ALERTS,
+        labels: &["reason"],
+        meaning: "Dead-letter alerts recorded for delivery to [alerts] webhook_url",
+        values: &[("reason", DEATH_REASONS)],
+    },
+    MetricDoc {
+        name: OLDEST_PENDING_AGE,
+        labels: &[],
+        meaning: "Age of the oldest message not delivered yet (pending or in flight), 0 when none, read at scrape time",
+        values: &[],
+    },
+    MetricDoc {
+        name: STORE_UP,
+        labels: &[],
+        meaning: "1 when the store answered the scrape's reads, 0 when it did not",
+        values: &[],
+    },
+    MetricDoc {
+        name: BUILD_INFO,
+        labels: &["version"],
+        meaning: "Always 1; the label carries the running version",
+        values: &[],
+    },
+];
+
+/// The `outcome` of a provider callback: `Ok(replayed)` or the error's code.
+pub fn callback_outcome(result: Result<bool, ErrorCode>) -> &'static str {
+    match result {
+        Ok(true) => "replayed",
+        Ok(false) => "accepted",
+        Err(ErrorCode::InvalidSignature) => "bad_signature",
+        Err(ErrorCode::PayloadTooLarge) => "too_large",
+        Err(ErrorCode::RequestTimeout) => "timeout",
+        Err(ErrorCode::StoreUnavailable) => "unavailable",
+        Err(ErrorCode::ServerBusy) => "busy",
+        Err(ErrorCode::UnknownSource) => "unknown_source",
+        Err(_) => "bad_request",
+    }
+}
+
+/// The `outcome` of a connector hand-off: `Ok(replayed)` or the error's code.
+pub fn notification_outcome(result: Result<bool, ErrorCode>) -> &'static str {
+    match result {
+        Ok(true) => "replayed",
+        Ok(false) => "accepted",
+        Err(ErrorCode::InvalidTransition) => "invalid_transition",
+        Err(ErrorCode::IdempotencyKeyReused) => "key_conflict",
+        Err(ErrorCode::PayloadTooLarge) => "too_large",
+        Err(ErrorCode::RequestTimeout) => "timeout",
+        Err(ErrorCode::StoreUnavailable) => "unavailable",
+        Err(ErrorCode::ServerBusy) => "busy",
+        Err(ErrorCode::Unauthorized | ErrorCode::Forbidden) => "unauthorized",
+        Err(_) => "bad_request",
+    }
+}
+
+/// The `kind` label of a message.
+pub fn kind(kind: MessageKind) -> &'static str {
+    match kind {
+        MessageKind::Inbound => "inbound",
+        MessageKind::Notification => "notification",
+    }
+}
+
+/// The `effect` label of a resend.
+pub fn resend_effect(effect: ResendEffect) -> &'static str {
+    match effect {
+        ResendEffect::Requeued => "requeued",
+        ResendEffect::Expedited => "expedited",
+        ResendEffect::Queued => "queued",
+        ResendEffect::AfterCurrent => "after_current",
+        ResendEffect::Skipped => "skipped",
+    }
+}
 
 const LATENCY_BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -118,7 +267,8 @@ pub fn handle() -> PrometheusHandle {
             // Another recorder may already be installed (an embedding application): then
             // our handle renders only what we record through it, which is still correct.
             let _ = metrics::set_global_recorder(recorder);
-            for (name, _, help) in CATALOGUE {
+            for metric in &CATALOGUE {
+                let (name, help) = (metric.name, metric.help());
                 if GAUGES.contains(&name) {
                     metrics::describe_gauge!(name, help);
                 } else if name.ends_with("_seconds") {
@@ -130,4 +280,114 @@ pub fn handle() -> PrometheusHandle {
             handle
         })
         .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alerts::DeathReason;
+    use crate::dispatch::delivery::{AttemptResult, failure_class};
+    use crate::dispatch::ssrf::REFUSED_ADDRESS;
+
+    fn values(name: &str, label: &str) -> &'static [&'static str] {
+        CATALOGUE
+            .iter()
+            .find(|m| m.name == name)
+            .and_then(|m| m.values_of(label))
+            .unwrap_or_else(|| panic!("{name} has no values for `{label}`"))
+    }
+
+    /// Whatever an error's code, the outcome label it gets is documented.
+    #[test]
+    fn every_outcome_a_handler_can_emit_is_in_the_catalogue() {
+        let results = [Ok(true), Ok(false)]
+            .into_iter()
+            .chain(ErrorCode::ALL.iter().map(|c| Err(*c)));
+        for result in results {
+            let label = callback_outcome(result);
+            assert!(values(CALLBACKS, "outcome").contains(&label), "{label}");
+            let label = notification_outcome(result);
+            assert!(values(NOTIFICATIONS, "outcome").contains(&label), "{label}");
+        }
+        for k in [MessageKind::Inbound, MessageKind::Notification] {
+            assert!(values(DELIVERIES, "kind").contains(&kind(k)));
+        }
+        for reason in [DeathReason::Gone, DeathReason::Expired] {
+            assert!(values(ALERTS, "reason").contains(&reason.as_str()));
+        }
+        // Every failed attempt's class: statuses that are not 2xx, and every error.
+        let failures = [100, 301, 404, 429, 500, 503]
+            .map(|s| (Some(s), None))
+            .into_iter()
+            .chain(
+                [
+                    "timeout",
+                    "connect",
+                    REFUSED_ADDRESS,
+                    "bad_url",
+                    "request",
+                    "other",
+                ]
+                .map(|e| (None, Some(e.to_string()))),
+            );
+        for (status, error) in failures {
+            let class = failure_class(&AttemptResult {
+                status,
+                error,
+                retry_after: None,
+                response: None,
+            });
+            assert!(
+                values(DELIVERY_FAILURES, "class").contains(&class),
+                "{class}"
+            );
+        }
+        for effect in [
+            ResendEffect::Requeued,
+            ResendEffect::Expedited,
+            ResendEffect::Queued,
+            ResendEffect::AfterCurrent,
+            ResendEffect::Skipped,
+        ] {
+            assert!(values(RESENDS, "effect").contains(&resend_effect(effect)));
+        }
+    }
+
+    /// Label values written as literals at the call sites (`"reason" => "gone"`) are
+    /// documented too: every literal label value in the sources is in its metric's list.
+    #[test]
+    fn literal_label_values_in_the_sources_are_in_the_catalogue() {
+        let all: Vec<&str> = CATALOGUE
+            .iter()
+            .flat_map(|m| m.values.iter().flat_map(|(_, v)| v.iter().copied()))
+            .collect();
+        let mut checked = 0;
+        let mut stack = vec![std::path::PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/src"
+        ))];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                if path.extension().is_none_or(|e| e != "rs") || path.ends_with("metrics.rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                for part in text.split("\" => \"").skip(1) {
+                    let value = part.split('"').next().unwrap_or_default();
+                    assert!(
+                        all.contains(&value),
+                        "{}: label value `{value}` is not in metrics::CATALOGUE",
+                        path.display()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 0, "the scan found the metric call sites");
+    }
 }

@@ -186,11 +186,28 @@ async fn dead_letters_paginate_without_gaps_or_duplicates_while_new_ones_arrive(
         "limit=0",
         "limit=5000",
         "cursor=%%%",
+        "cursor=",
         "createdAtFrom=yesterday",
     ] {
         let r = server.admin_get(&format!("/v1/messages?{bad}")).await;
         assert_eq!(r.status(), 400, "{bad}");
+        let field = bad.split('=').next().unwrap();
+        let message = r.json::<Value>().await.unwrap()["message"].to_string();
+        assert!(message.contains(&format!("`{field}`")), "{bad}: {message}");
     }
+    // Filters combine: no message has both a payment and a provider transaction.
+    let r = server
+        .admin_get("/v1/messages?paymentId=dl-1&transactionId=tx-1&source=payzu")
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["messages"], json!([]));
+    let one: Value = server
+        .admin_get("/v1/messages?paymentId=dl-1")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(one["messages"].as_array().unwrap().len(), 1);
 }
 
 /// São Paulo operators write offsets; a bare date is refused with the forms that work.
@@ -295,6 +312,50 @@ async fn resend_by_id_payment_and_window_with_request_id() {
     assert_eq!(marks.len(), 1);
     assert_eq!(marks[0]["requestId"], "op-1");
 
+    // Ids are narrowed by the other filters: of a pending and a dead one, `state: dead`
+    // resends the dead one; `source` matches no notification.
+    let r: Value = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [ids[0], ids[1]], "state": "dead"}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["messageIds"], json!([ids[1]]), "{r}");
+    let r: Value = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [ids[2]], "source": "payzu"}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["resent"], 0, "{r}");
+    assert_eq!(view(&server, &ids[2]).await["state"], "dead");
+
+    // A malformed id is named, and nothing is resent.
+    let history_before = view(&server, &ids[2]).await["historyTotal"].clone();
+    let r = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [ids[2], "msg_nope"]}),
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"], "invalid_query");
+    let message = err["message"].as_str().unwrap();
+    assert!(
+        message.contains("messageIds[1]") && message.contains("msg_nope"),
+        "{message}"
+    );
+    let v = view(&server, &ids[2]).await;
+    assert_eq!(v["state"], "dead");
+    assert_eq!(v["historyTotal"], history_before, "nothing recorded");
+
     // By paymentId.
     let r: Value = server
         .admin_post("/v1/admin/resend", &json!({"paymentId": "r-1"}))
@@ -320,11 +381,26 @@ async fn resend_by_id_payment_and_window_with_request_id() {
         .unwrap();
     assert_eq!(r["messageIds"], json!([ids[2]]), "only the one still dead");
 
-    let none = server
-        .admin_post("/v1/admin/resend", &json!({"state": "dead"}))
-        .await;
-    assert_eq!(none.status(), 400);
-    assert_eq!(none.json::<Value>().await.unwrap()["error"], "no_selector");
+    for no_selector in [
+        json!({"state": "dead"}),
+        json!({}),
+        json!({"paymentId": null}),
+    ] {
+        let none = server.admin_post("/v1/admin/resend", &no_selector).await;
+        assert_eq!(none.status(), 400, "{no_selector}");
+        assert_eq!(none.json::<Value>().await.unwrap()["error"], "no_selector");
+    }
+    // A payment and a transaction together select nothing: answered, not refused.
+    let r: Value = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"paymentId": "r-0", "transactionId": "tx-1", "source": "payzu"}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["resent"], 0);
 }
 
 #[tokio::test]
@@ -770,6 +846,163 @@ async fn openapi_documents_every_route() {
     );
 }
 
+/// The rows of the README table that follows `heading`.
+fn readme_table(heading: &str) -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let after = readme
+        .split_once(heading)
+        .unwrap_or_else(|| panic!("README has no `{heading}`"))
+        .1;
+    after
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+        .map(str::to_string)
+        .collect()
+}
+
+/// One catalogue of error codes (`ErrorCode`: every error is built from one of its codes, so
+/// nothing else can be emitted) and one of metrics feed the README, the OpenAPI document
+/// and the `/metrics` HELP text; this holds all three to them.
+#[tokio::test]
+async fn error_and_metric_catalogues_agree_with_readme_spec_and_help() {
+    use callbackd::error::ErrorCode;
+    use callbackd::metrics::CATALOGUE;
+
+    let expected: Vec<String> = ErrorCode::ALL
+        .iter()
+        .map(|c| {
+            format!(
+                "| {} | `{}` | {} |",
+                c.status().as_u16(),
+                c.as_str(),
+                c.meaning()
+            )
+        })
+        .collect();
+    assert_eq!(readme_table("### Errors"), expected, "README error table");
+
+    let backticked = |values: &[&str]| {
+        values
+            .iter()
+            .map(|v| format!("`{v}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let expected: Vec<String> = CATALOGUE
+        .iter()
+        .map(|m| {
+            let mut meaning = m.meaning.to_string();
+            for (label, values) in m.values {
+                meaning.push_str(&format!("; `{label}`: {}", backticked(values)));
+            }
+            format!("| `{}` | {} | {meaning} |", m.name, backticked(m.labels))
+        })
+        .collect();
+    assert_eq!(
+        readme_table("### Metrics"),
+        expected,
+        "README metrics table"
+    );
+
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let spec: Value = server
+        .client
+        .get(format!("{}/openapi.json", server.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let codes: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+    assert_eq!(
+        spec["components"]["schemas"]["ErrorCode"]["enum"],
+        json!(codes)
+    );
+    assert_eq!(
+        spec["components"]["schemas"]["ErrorBody"]["properties"]["error"]["$ref"],
+        "#/components/schemas/ErrorCode"
+    );
+    let mut with_body = 0;
+    for (path, item) in spec["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            if op.get("requestBody").is_none() {
+                continue;
+            }
+            with_body += 1;
+            for status in ["400", "408", "413"] {
+                assert!(
+                    op["responses"][status].is_object(),
+                    "{method} {path} reads a body but does not document {status}"
+                );
+            }
+        }
+    }
+    assert_eq!(with_body, 3, "callbacks, notifications, resend");
+
+    // Emit the outcomes the issue found missing, then read the HELP lines.
+    server.post_callback("nope", "{}", None).await;
+    server
+        .client
+        .post(format!("{}/v1/notifications", server.url))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    let text = server
+        .client
+        .get(format!("{}/metrics", server.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(
+            &text,
+            "callbackd_callbacks_total",
+            &["outcome=\"unknown_source\""]
+        ) >= 1.0
+    );
+    assert!(
+        metric(
+            &text,
+            "callbackd_notifications_total",
+            &["outcome=\"unauthorized\""]
+        ) >= 1.0
+    );
+    let mut helped = 0;
+    for m in &CATALOGUE {
+        if let Some(line) = text
+            .lines()
+            .find(|l| l.starts_with(&format!("# HELP {} ", m.name)))
+        {
+            assert_eq!(line, format!("# HELP {} {}", m.name, m.help()));
+            helped += 1;
+        }
+    }
+    assert!(
+        helped >= 3,
+        "HELP lines for the metrics this run touched:\n{text}"
+    );
+    let help = m_help(&text, "callbackd_callbacks_total");
+    assert!(help.contains("unknown_source"), "{help}");
+    let help = m_help(&text, "callbackd_notifications_total");
+    assert!(help.contains("unauthorized"), "{help}");
+}
+
+fn m_help(text: &str, name: &str) -> String {
+    text.lines()
+        .find(|l| l.starts_with(&format!("# HELP {name} ")))
+        .unwrap_or_default()
+        .to_string()
+}
+
 #[tokio::test]
 async fn cli_round_trip() {
     let redis = RedisServer::start();
@@ -948,6 +1181,32 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
         "JSON logs"
     );
     assert!(logs.contains("request_id"), "request ids on request spans");
+    // The failed first delivery, in JSON values: a number, strings, an RFC 3339 time.
+    let failed: Value = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|l| l["fields"]["message"] == "delivery failed")
+        .unwrap_or_else(|| panic!("no failed delivery logged:\n{logs}"));
+    let fields = &failed["fields"];
+    assert_eq!(fields["status"], 500, "{failed}");
+    assert_eq!(fields["outcome"], "retry", "{failed}");
+    assert!(fields.get("error").is_none(), "{failed}");
+    assert!(
+        callbackd::clock::parse_rfc3339(fields["next_attempt_at"].as_str().unwrap_or_default())
+            .is_some(),
+        "{failed}"
+    );
+    assert!(fields["retry_in"].is_string(), "{failed}");
+    // Our own lines (dependencies' debug lines are theirs).
+    for line in logs
+        .lines()
+        .filter(|l| l.contains(r#""target":"callbackd"#))
+    {
+        assert!(
+            !line.contains("Some(") && !line.contains("Retry("),
+            "{line}"
+        );
+    }
     assert!(logs.contains("message_id"), "message ids on delivery spans");
     for secret in [
         support::PAYZU_SECRET,
@@ -962,4 +1221,166 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
     ] {
         assert!(!logs.contains(secret), "`{secret}` leaked into the logs");
     }
+}
+
+/// Issue: `delivery failed status=None error=Some("connect") verdict=Retry(1796031171374)`.
+/// A real process, text logs, through a 503 (retried), a 410 (dead) and a refused connection
+/// (retried): each line says what happened in plain values, the next attempt as a time and a
+/// delay.
+#[tokio::test]
+async fn failed_deliveries_are_logged_as_plain_values() {
+    let sink = Sink::start(|_, n| Reply::status(if n == 0 { 503 } else { 410 })).await;
+    // Bound and dropped: nothing listens there, so a delivery gets a connection error.
+    let closed_port = support::redis::free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let config_path = dir.path().join("config.toml");
+    let port = support::redis::free_port();
+    std::fs::write(
+        &config_path,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+[store]
+url = "sqlite://{}"
+[auth]
+connector_tokens = ["{CONNECTOR_TOKEN}"]
+admin_tokens = ["{ADMIN_TOKEN}"]
+[dispatch]
+allow_private_networks = true
+initial_backoff_ms = 50
+max_backoff_secs = 1
+[log]
+format = "text"
+level = "info"
+"#,
+            dir.path().join("cb.db").display()
+        ),
+    )
+    .unwrap();
+    let log_path = dir.path().join("callbackd.log");
+    let log_file = std::fs::File::create(&log_path).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .args(["serve", "--config", config_path.to_str().unwrap()])
+        .env_remove("RUST_LOG")
+        .stderr(log_file.try_clone().unwrap())
+        .stdout(log_file)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    eventually(15, "server up", || async {
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+    let hand_off = |payment: &str, url: String| {
+        client
+            .post(format!("{base}/v1/notifications"))
+            .bearer_auth(CONNECTOR_TOKEN)
+            .json(&handoff(payment, "approved", &url))
+            .send()
+    };
+    assert_eq!(
+        hand_off("p-503", format!("{}/cb", sink.url))
+            .await
+            .unwrap()
+            .status(),
+        202
+    );
+    let refused: Value = hand_off("p-refused", format!("http://127.0.0.1:{closed_port}/cb"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let refused_id = refused["notificationId"].as_str().unwrap().to_string();
+    eventually(15, "a 503 then a 410", || async {
+        (sink.count() >= 2).then_some(())
+    })
+    .await;
+    eventually(15, "a refused connection", || async {
+        let v: Value = client
+            .get(format!("{base}/v1/messages/{refused_id}"))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        (v["attemptCount"].as_u64()? >= 1).then_some(())
+    })
+    .await;
+    Command::new("kill")
+        .args(["-TERM", &child.id().unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert_eq!(child.wait().await.unwrap().code(), Some(0));
+    let logs = std::fs::read_to_string(&log_path).unwrap();
+
+    assert!(
+        !logs.contains("\u{1b}["),
+        "no colour codes in a file:\n{logs}"
+    );
+    for line in logs.lines().filter(|l| l.contains(" callbackd")) {
+        for wrapper in ["Some(", "None", "Retry("] {
+            assert!(!line.contains(wrapper), "`{wrapper}` in {line}");
+        }
+    }
+    let line = |needle: &str| {
+        logs.lines()
+            .find(|l| l.contains("delivery failed") && l.contains(needle))
+            .unwrap_or_else(|| panic!("no `delivery failed` line with `{needle}`:\n{logs}"))
+            .to_string()
+    };
+    let field = |line: &str, name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{name}=")))
+            .map(str::to_string)
+    };
+    let retried = line("status=503");
+    assert_eq!(
+        field(&retried, "outcome").as_deref(),
+        Some("retry"),
+        "{retried}"
+    );
+    assert_eq!(
+        field(&retried, "error"),
+        None,
+        "no error field when there is a status"
+    );
+    let next = field(&retried, "next_attempt_at").unwrap_or_default();
+    assert!(
+        callbackd::clock::parse_rfc3339(&next).is_some(),
+        "{retried}"
+    );
+    let delay = field(&retried, "retry_in").unwrap_or_default();
+    assert!(
+        delay.ends_with("ms") || delay.ends_with('s'),
+        "a delay with its unit: {retried}"
+    );
+    let gone = line("status=410");
+    assert_eq!(field(&gone, "outcome").as_deref(), Some("dead"), "{gone}");
+    assert_eq!(field(&gone, "reason").as_deref(), Some("gone"), "{gone}");
+    let connect = line("error=connect");
+    assert_eq!(
+        field(&connect, "status"),
+        None,
+        "no status field without an answer"
+    );
+    assert_eq!(
+        field(&connect, "outcome").as_deref(),
+        Some("retry"),
+        "{connect}"
+    );
+    assert!(
+        callbackd::clock::parse_rfc3339(&field(&connect, "next_attempt_at").unwrap_or_default())
+            .is_some()
+    );
 }

@@ -21,11 +21,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::alerts::{Alerts, DeathReason, is_alert};
-use crate::clock::Clock;
+use crate::clock::{Clock, format_delay, format_iso};
 use crate::config::{Config, DispatchConfig};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
-use crate::store::{Attempt, Claimed, MessageKind, Store};
+use crate::store::{Attempt, Claimed, Millis, Store};
 use delivery::{AttemptResult, Verdict};
 use schedule::Backoff;
 
@@ -325,6 +325,7 @@ impl Dispatcher {
         let now = self.clock.now_ms();
         let verdict = delivery::classify(&result, self.backoff, &c, now, rand::random::<f64>());
         self.record_metrics(&c, &result, verdict, latency);
+        log_failure(&result, verdict, now);
         if let Some(stats) = &self.stats {
             stats.record(now, verdict == Verdict::Delivered);
         }
@@ -394,7 +395,7 @@ impl Dispatcher {
                 .await
             {
                 Ok(true) => {
-                    tracing::debug!(?verdict, status = ?attempt.status, "attempt recorded");
+                    tracing::debug!(status = attempt.status, "attempt recorded");
                     return;
                 }
                 Ok(false) => {
@@ -413,10 +414,7 @@ impl Dispatcher {
         verdict: Verdict,
         latency: Duration,
     ) {
-        let kind = match c.message.kind {
-            MessageKind::Inbound => "inbound",
-            MessageKind::Notification => "notification",
-        };
+        let kind = m::kind(c.message.kind);
         let outcome = if verdict == Verdict::Delivered {
             "success"
         } else {
@@ -438,7 +436,39 @@ impl Dispatcher {
         if verdict != Verdict::Delivered {
             let class = delivery::failure_class(result);
             metrics::counter!(m::DELIVERY_FAILURES, "kind" => kind, "class" => class).increment(1);
-            tracing::info!(status = ?result.status, error = ?result.error, ?verdict, "delivery failed");
         }
+    }
+}
+
+/// Logs a failed attempt in values a person reads: `status=503` or `error=connect` (an
+/// absent one is no field at all), then what happens next: `outcome=retry` with the next
+/// attempt as a time and a delay, or `outcome=dead` with the reason.
+fn log_failure(result: &AttemptResult, verdict: Verdict, now: Millis) {
+    let status = result.status;
+    let error = result.error.as_deref().map(tracing::field::display);
+    match verdict {
+        Verdict::Delivered => {}
+        Verdict::Retry(at) => tracing::info!(
+            status,
+            error,
+            outcome = %"retry",
+            next_attempt_at = %format_iso(at),
+            retry_in = %format_delay(at.saturating_sub(now)),
+            "delivery failed"
+        ),
+        Verdict::Gone => tracing::info!(
+            status,
+            error,
+            outcome = %"dead",
+            reason = %"gone",
+            "delivery failed"
+        ),
+        Verdict::Expired => tracing::info!(
+            status,
+            error,
+            outcome = %"dead",
+            reason = %"expired",
+            "delivery failed"
+        ),
     }
 }

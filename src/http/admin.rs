@@ -10,7 +10,6 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -21,7 +20,7 @@ use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::clock::{RFC3339_FORMS, format_iso, parse_rfc3339};
 use crate::digest::short_hash;
-use crate::error::{ApiError, ErrorBody};
+use crate::error::{ApiError, ErrorBody, ErrorCode};
 use crate::metrics as m;
 use crate::payment;
 use crate::store::{
@@ -34,7 +33,7 @@ const MAX_LIMIT: usize = 1000;
 /// Messages one resend request may touch; a larger selection answers `more: true` and the
 /// operator narrows the window. Keeps memory and the answer bounded.
 const MAX_RESEND: usize = 10_000;
-const MAX_RESEND_IDS: usize = 1000;
+pub const MAX_RESEND_IDS: usize = 1000;
 /// Page size used to walk a resend selection.
 const RESEND_BATCH: usize = 500;
 /// How long a resend `requestId` is held while its resend runs: a walk of at most
@@ -121,7 +120,7 @@ impl MessageView {
         (status = 404, description = "Unknown id", body = ErrorBody),
         (status = 503, body = ErrorBody),
     ),
-    security(("bearer" = [])),
+    security(("admin" = [])),
     tag = "ops"
 )]
 pub async fn get_message(
@@ -144,6 +143,8 @@ pub struct ListQuery {
     #[param(value_type = Option<MessageState>)]
     pub state: Option<String>,
     pub source: Option<String>,
+    /// The payment's notifications. Filters combine: with `transactionId` too the page is
+    /// empty (no message has both).
     pub payment_id: Option<String>,
     /// Provider transaction id (with `source` when several sources are configured).
     pub transaction_id: Option<String>,
@@ -156,7 +157,7 @@ pub struct ListQuery {
     /// 1 to 1000, default 100.
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<usize>,
-    /// `nextCursor` of the previous page.
+    /// `nextCursor` of the previous page: the last message id it listed.
     pub cursor: Option<String>,
 }
 
@@ -164,13 +165,13 @@ pub struct ListQuery {
 #[serde(rename_all = "camelCase")]
 pub struct MessagePage {
     pub messages: Vec<MessageView>,
-    /// Pass as `cursor` for the next page; absent at the end.
+    /// Pass as `cursor` for the next page (the last id of this one); absent at the end.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_cursor: Option<String>,
 }
 
 fn bad(message: impl Into<String>) -> ApiError {
-    ApiError::bad_request("invalid_query", message)
+    ApiError::bad_request(ErrorCode::InvalidQuery, message)
 }
 
 /// The selection shared by listing and resend.
@@ -184,7 +185,10 @@ struct Selection {
 }
 
 impl Selection {
-    fn filter(&self, app: &App) -> Result<ListFilter, ApiError> {
+    /// The store filter, or `None` when the filters contradict each other: a `paymentId`
+    /// and a `transactionId` together select nothing (a message has one or the other), like
+    /// any other filters that no message meets. Filters always combine; none is ignored.
+    fn filter(&self, app: &App) -> Result<Option<ListFilter>, ApiError> {
         let state = self
             .state
             .as_deref()
@@ -207,12 +211,12 @@ impl Selection {
                 })
                 .transpose()
         };
-        let ordering_key = match (&self.payment_id, &self.transaction_id) {
-            (Some(_), Some(_)) => {
-                return Err(bad("give `paymentId` or `transactionId`, not both"));
-            }
-            (Some(p), None) => Some(payment::ordering_key(p)),
-            (None, Some(t)) => {
+        let created_from = time("createdAtFrom", &self.created_at_from)?;
+        let created_to = time("createdAtTo", &self.created_at_to)?;
+        let transaction_key = self
+            .transaction_id
+            .as_ref()
+            .map(|t| {
                 let source = match &self.source {
                     Some(s) => s.clone(),
                     None if app.sources.len() == 1 => {
@@ -224,31 +228,40 @@ impl Selection {
                         ));
                     }
                 };
-                Some(format!("src/{source}/{t}"))
-            }
-            (None, None) => None,
+                Ok(format!("src/{source}/{t}"))
+            })
+            .transpose()?;
+        let ordering_key = match (&self.payment_id, transaction_key) {
+            (Some(_), Some(_)) => return Ok(None),
+            (Some(p), None) => Some(payment::ordering_key(p)),
+            (None, key) => key,
         };
-        Ok(ListFilter {
+        Ok(Some(ListFilter {
             state,
             source: self.source.clone(),
             ordering_key,
-            created_from: time("createdAtFrom", &self.created_at_from)?,
-            created_to: time("createdAtTo", &self.created_at_to)?,
+            created_from,
+            created_to,
             after: None,
             limit: DEFAULT_LIMIT,
-        })
+        }))
     }
 }
 
-fn encode_cursor(id: &MessageId) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id.as_str())
-}
-
-fn decode_cursor(cursor: &str) -> Option<MessageId> {
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(cursor)
-        .ok()?;
-    MessageId::parse(std::str::from_utf8(&bytes).ok()?)
+/// Whether a message meets every filter (as the store's `list` would judge it).
+pub(super) fn selects(filter: &ListFilter, record: &MessageRecord) -> bool {
+    let m = &record.message;
+    filter.state.is_none_or(|s| s == record.state)
+        && filter
+            .source
+            .as_ref()
+            .is_none_or(|s| m.source.as_ref() == Some(s))
+        && filter
+            .ordering_key
+            .as_ref()
+            .is_none_or(|k| *k == m.ordering_key)
+        && filter.created_from.is_none_or(|t| m.created_at >= t)
+        && filter.created_to.is_none_or(|t| m.created_at <= t)
 }
 
 /// List messages, oldest first, with a cursor that stays stable while new messages arrive.
@@ -262,7 +275,7 @@ fn decode_cursor(cursor: &str) -> Option<MessageId> {
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 503, body = ErrorBody),
     ),
-    security(("bearer" = [])),
+    security(("admin" = [])),
     tag = "ops"
 )]
 pub async fn list_messages(
@@ -272,7 +285,7 @@ pub async fn list_messages(
 ) -> Result<Json<MessagePage>, ApiError> {
     require(&app, &headers, Role::Admin)?;
     let Query(q) = query.map_err(|e| bad(e.body_text()))?;
-    let mut filter = Selection {
+    let filter = Selection {
         state: q.state,
         source: q.source,
         payment_id: q.payment_id,
@@ -281,32 +294,52 @@ pub async fn list_messages(
         created_at_to: q.created_at_to,
     }
     .filter(&app)?;
-    filter.limit = match q.limit {
+    let limit = match q.limit {
         None => DEFAULT_LIMIT,
         Some(n) if (1..=MAX_LIMIT).contains(&n) => n,
         Some(_) => return Err(bad(format!("`limit` must be 1 to {MAX_LIMIT}"))),
     };
-    filter.after = q
+    let after = q
         .cursor
         .as_deref()
-        .map(|c| decode_cursor(c).ok_or_else(|| bad("`cursor` is not a cursor from this API")))
+        .map(|c| {
+            MessageId::parse(c)
+                .ok_or_else(|| bad(format!("`cursor`: `{c}` is not a `nextCursor` of this API")))
+        })
         .transpose()?;
-    let page = app.store.list(&filter).await?;
+    let Some(filter) = filter else {
+        return Ok(Json(MessagePage {
+            messages: Vec::new(),
+            next_cursor: None,
+        }));
+    };
+    let page = app
+        .store
+        .list(&ListFilter {
+            limit,
+            after,
+            ..filter
+        })
+        .await?;
     Ok(Json(MessagePage {
         messages: page
             .messages
             .into_iter()
             .map(|r| MessageView::from_record(r, false))
             .collect(),
-        next_cursor: page.next_after.as_ref().map(encode_cursor),
+        next_cursor: page.next_after.map(|id| id.to_string()),
     }))
 }
 
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ResendRequest {
+    /// Resend these messages (at most 1000), each only if it meets every other filter
+    /// given. A malformed id is a 400 naming it.
     pub message_ids: Option<Vec<String>>,
+    /// The payment's notifications. With `transactionId` too: nothing (no message has both).
     pub payment_id: Option<String>,
+    /// The transaction's provider events (with `source` when several sources are configured).
     pub transaction_id: Option<String>,
     /// Window start, RFC 3339 with an offset (PayZu's name).
     #[schema(format = DateTime)]
@@ -314,9 +347,9 @@ pub struct ResendRequest {
     /// Window end, RFC 3339 with an offset.
     #[schema(format = DateTime)]
     pub created_at_to: Option<String>,
-    /// Narrows a selection.
+    /// Narrows the selection, `messageIds` included.
     pub source: Option<String>,
-    /// Narrows a selection.
+    /// Narrows the selection, `messageIds` included.
     #[schema(value_type = Option<MessageState>)]
     pub state: Option<String>,
     /// Makes the resend idempotent: the same id returns the recorded answer and resends
@@ -340,12 +373,6 @@ pub struct ResendAnswer {
     pub incomplete: bool,
 }
 
-/// What one resend request touches.
-enum Targets {
-    Ids(Vec<MessageId>),
-    Selection(ListFilter),
-}
-
 /// A resend `requestId`, with the fingerprint of the request that uses it.
 struct Operation {
     key: String,
@@ -366,13 +393,13 @@ struct Operation {
     responses(
         (status = 200, description = "What was resent", body = ResendAnswer,
          headers(("Idempotent-Replayed" = String, description = "`true` for a repeated requestId"))),
-        (status = 400, description = "No selector, or a bad one", body = ErrorBody),
+        (status = 400, description = "No selector (`no_selector`), or a malformed one (`invalid_query`, naming it)", body = ErrorBody),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 409, description = "The same requestId is still running", body = ErrorBody),
         (status = 422, description = "The requestId was used with a different request body", body = ErrorBody),
         (status = 503, description = "The store failed; with a requestId, repeat it to get what was resent", body = ErrorBody),
     ),
-    security(("bearer" = [])),
+    security(("admin" = [])),
     tag = "ops"
 )]
 pub async fn resend(
@@ -382,55 +409,26 @@ pub async fn resend(
 ) -> Result<Response, ApiError> {
     require(&app, &headers, Role::Admin)?;
     let bytes = read_body(&app, body, &headers).await?;
-    let req: ResendRequest = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request("invalid_request", format!("resend body: {e}")))?;
+    let req: ResendRequest = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::bad_request(ErrorCode::InvalidRequest, format!("resend body: {e}"))
+    })?;
     drop(bytes);
-    let ids = req
-        .message_ids
-        .as_ref()
-        .map(|ids| {
-            if ids.len() > MAX_RESEND_IDS {
-                return Err(bad(format!(
-                    "at most {MAX_RESEND_IDS} `messageIds` per request"
-                )));
-            }
-            Ok(ids
-                .iter()
-                .filter_map(|id| MessageId::parse(id))
-                .collect::<Vec<_>>())
-        })
-        .transpose()?;
-    let selection = Selection {
-        state: req.state.clone(),
-        source: req.source.clone(),
-        payment_id: req.payment_id.clone(),
-        transaction_id: req.transaction_id.clone(),
-        created_at_from: req.created_at_from.clone(),
-        created_at_to: req.created_at_to.clone(),
-    };
-    let filter = selection.filter(&app)?;
-    let has_window = filter.created_from.is_some() || filter.created_to.is_some();
-    if ids.is_none() && filter.ordering_key.is_none() && !has_window {
-        return Err(ApiError::bad_request(
-            "no_selector",
-            "give `messageIds`, `paymentId`, `transactionId` or a `createdAtFrom`/`createdAtTo` window",
-        ));
-    }
+    let targets = ResendTarget::of(&app, &req)?;
     if req.dry_run == Some(true) {
+        let (ids, filter) = match &targets {
+            ResendTarget::Ids(ids, filter) => (Some(ids.as_slice()), filter.clone()),
+            ResendTarget::Selection(filter) => (None, filter.clone()),
+            ResendTarget::Nothing => (Some(&[][..]), ListFilter::default()),
+        };
         let counted =
-            super::resend_count::count(&app, ids.as_deref(), filter, MAX_RESEND, RESEND_BATCH)
-                .await?;
+            super::resend_count::count(&app, ids, filter, MAX_RESEND, RESEND_BATCH).await?;
         return Ok(Json(counted).into_response());
     }
     let operation = req.request_id.clone().map(|request_id| Operation {
         key: format!("resend\n{request_id}"),
-        fingerprint: fingerprint(&req, &filter),
+        fingerprint: fingerprint(&req),
         request_id,
     });
-    let targets = match ids {
-        Some(ids) => Targets::Ids(ids),
-        None => Targets::Selection(filter),
-    };
 
     let (answer, walked) = oneshot::channel();
     tokio::spawn(run_resend(app.clone(), targets, operation, answer));
@@ -444,7 +442,7 @@ pub async fn resend(
 
 /// Hash of the request as it selects: ids as a set, times as instants, `requestId` left out,
 /// so the same selection written differently is the same request.
-fn fingerprint(req: &ResendRequest, filter: &ListFilter) -> String {
+fn fingerprint(req: &ResendRequest) -> String {
     let ids = req
         .message_ids
         .as_ref()
@@ -455,8 +453,8 @@ fn fingerprint(req: &ResendRequest, filter: &ListFilter) -> String {
         "transactionId": req.transaction_id,
         "source": req.source,
         "state": req.state,
-        "createdFrom": filter.created_from,
-        "createdTo": filter.created_to,
+        "createdFrom": req.created_at_from.as_deref().and_then(parse_rfc3339),
+        "createdTo": req.created_at_to.as_deref().and_then(parse_rfc3339),
     });
     short_hash(normalised.to_string().as_bytes())
 }
@@ -468,7 +466,7 @@ type ResendResult = Result<(String, bool), ApiError>;
 /// anyone still waits for that answer.
 async fn run_resend(
     app: Arc<App>,
-    targets: Targets,
+    targets: ResendTarget,
     operation: Option<Operation>,
     answer: oneshot::Sender<ResendResult>,
 ) {
@@ -495,10 +493,13 @@ async fn run_resend(
     let request_id = operation.as_ref().map(|op| op.request_id.as_str());
     let mut resent = Vec::new();
     let walked = match targets {
-        Targets::Ids(ids) => resend_ids(&app, &ids, request_id, &mut resent)
+        ResendTarget::Ids(ids, filter) => resend_ids(&app, &ids, &filter, request_id, &mut resent)
             .await
             .map(|()| false),
-        Targets::Selection(filter) => resend_selection(&app, filter, request_id, &mut resent).await,
+        ResendTarget::Selection(filter) => {
+            resend_selection(&app, filter, request_id, &mut resent).await
+        }
+        ResendTarget::Nothing => Ok(false),
     };
     if !resent.is_empty() {
         app.wake.notify_one();
@@ -512,7 +513,10 @@ async fn run_resend(
     let body = match serde_json::to_string(&result) {
         Ok(body) => body,
         Err(e) => {
-            let _ = answer.send(Err(ApiError::bad_request("invalid_request", e.to_string())));
+            let _ = answer.send(Err(ApiError::bad_request(
+                ErrorCode::InvalidRequest,
+                e.to_string(),
+            )));
             return;
         }
     };
@@ -562,6 +566,65 @@ async fn keep_recording(app: &App, op: &Operation, body: &str, ttl: u64) {
     );
 }
 
+/// What a resend selects, checked in full before anything is reserved or resent.
+enum ResendTarget {
+    /// These ids, each resent only if it meets every other filter given.
+    Ids(Vec<MessageId>, ListFilter),
+    /// Every message the filter lists.
+    Selection(ListFilter),
+    /// Filters that contradict each other: nothing.
+    Nothing,
+}
+
+impl ResendTarget {
+    fn of(app: &App, req: &ResendRequest) -> Result<ResendTarget, ApiError> {
+        let ids = req
+            .message_ids
+            .as_ref()
+            .map(|ids| {
+                if ids.len() > MAX_RESEND_IDS {
+                    return Err(bad(format!(
+                        "at most {MAX_RESEND_IDS} `messageIds` per request"
+                    )));
+                }
+                ids.iter()
+                    .enumerate()
+                    .map(|(i, id)| {
+                        MessageId::parse(id).ok_or_else(|| {
+                            bad(format!("`messageIds[{i}]`: `{id}` is not a message id"))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .transpose()?;
+        let filter = Selection {
+            state: req.state.clone(),
+            source: req.source.clone(),
+            payment_id: req.payment_id.clone(),
+            transaction_id: req.transaction_id.clone(),
+            created_at_from: req.created_at_from.clone(),
+            created_at_to: req.created_at_to.clone(),
+        }
+        .filter(app)?;
+        let has_selector = ids.is_some()
+            || req.payment_id.is_some()
+            || req.transaction_id.is_some()
+            || req.created_at_from.is_some()
+            || req.created_at_to.is_some();
+        if !has_selector {
+            return Err(ApiError::bad_request(
+                ErrorCode::NoSelector,
+                "give `messageIds`, `paymentId`, `transactionId` or a `createdAtFrom`/`createdAtTo` window",
+            ));
+        }
+        Ok(match (ids, filter) {
+            (_, None) => ResendTarget::Nothing,
+            (Some(ids), Some(filter)) => ResendTarget::Ids(ids, filter),
+            (None, Some(filter)) => ResendTarget::Selection(filter),
+        })
+    }
+}
+
 async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Result<bool, ApiError> {
     if let Some(request_id) = request_id {
         // A walk of this requestId whose answer was never recorded (its process died, or the
@@ -590,14 +653,7 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
     let fresh_deadline =
         now.saturating_add(app.config.dispatch.max_age_secs.saturating_mul(1000) as i64);
     let effect = app.store.resend(id, mark, fresh_deadline, now).await?;
-    let label = match effect {
-        ResendEffect::Requeued => "requeued",
-        ResendEffect::Expedited => "expedited",
-        ResendEffect::Queued => "queued",
-        ResendEffect::AfterCurrent => "after_current",
-        ResendEffect::Skipped => "skipped",
-    };
-    metrics::counter!(m::RESENDS, "effect" => label).increment(1);
+    metrics::counter!(m::RESENDS, "effect" => m::resend_effect(effect)).increment(1);
     Ok(effect != ResendEffect::Skipped)
 }
 
@@ -606,10 +662,22 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
 async fn resend_ids(
     app: &App,
     ids: &[MessageId],
+    filter: &ListFilter,
     request_id: Option<&str>,
     resent: &mut Vec<String>,
 ) -> Result<(), ApiError> {
+    let narrowed = filter.state.is_some()
+        || filter.source.is_some()
+        || filter.ordering_key.is_some()
+        || filter.created_from.is_some()
+        || filter.created_to.is_some();
     for id in ids {
+        if narrowed {
+            let record = app.store.get(id).await?;
+            if !record.is_some_and(|r| selects(filter, &r)) {
+                continue;
+            }
+        }
         if resend_one(app, id, request_id).await? {
             resent.push(id.to_string());
         }

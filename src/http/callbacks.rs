@@ -17,7 +17,7 @@ use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::digest::short_hash;
 use crate::dispatch::delivery::EVENT_HEADER;
-use crate::error::{ApiError, ErrorBody};
+use crate::error::{ApiError, ErrorBody, ErrorCode};
 use crate::inbound::dedupe;
 use crate::inbound::signature::Verified;
 use crate::metrics as m;
@@ -26,7 +26,7 @@ use crate::store::{
 };
 
 /// Longest accepted `X-Callback-Event`: event names are short constants.
-const MAX_EVENT_LEN: usize = 128;
+pub const MAX_EVENT_LEN: usize = 128;
 
 #[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -36,7 +36,11 @@ pub struct CallbackAccepted {
 
 /// Receive a provider callback.
 ///
-/// The signature is verified before anything is claimed. The first arrival of an event is
+/// The signature is verified before anything is claimed (its headers depend on the source's
+/// scheme: `X-Callback-Signature` for `payzu`, `webhook-*` for `standard-webhooks`). A request
+/// with an `X-Callback-Event` header (registered webhooks) needs no `status`: the event takes
+/// its place in the dedupe key (1 to 128 visible ASCII characters).
+/// The first arrival of an event is
 /// answered 200 once it is durably recorded; a duplicate gets the byte-identical first answer
 /// and `Idempotent-Replayed: true`.
 #[utoipa::path(
@@ -65,16 +69,7 @@ pub async fn receive(
     let started = Instant::now();
     let source_name = path_segment(path)?;
     let result = accept(&app, &source_name, &headers, body).await;
-    let outcome = match &result {
-        Ok((_, true)) => "replayed",
-        Ok((_, false)) => "accepted",
-        Err(ApiError::BadSignature(_)) => "bad_signature",
-        Err(ApiError::TooLarge(_)) => "too_large",
-        Err(ApiError::Unavailable(_)) => "unavailable",
-        Err(ApiError::Busy) => "busy",
-        Err(ApiError::UnknownSource(_)) => "unknown_source",
-        Err(_) => "bad_request",
-    };
+    let outcome = m::callback_outcome(result.as_ref().map(|(_, r)| *r).map_err(ApiError::code));
     // Unknown names are not labels: a scanner must not be able to grow the metric set.
     let label = if app.sources.contains_key(&source_name) {
         source_name
@@ -104,18 +99,21 @@ async fn accept(
         .verify_signature(headers, &bytes, app.clock.now_secs())
         .map_err(|e| ApiError::BadSignature(e.to_string()))?;
     let json: Value = serde_json::from_slice(&bytes).map_err(|e| {
-        ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}"))
+        ApiError::bad_request(
+            ErrorCode::InvalidJson,
+            format!("body is not valid JSON: {e}"),
+        )
     })?;
     let event = event_header(headers)?;
     let key = dedupe::derive(&source.name, &json, event.as_deref(), &source.dedupe_fields)
-        .map_err(|e| ApiError::bad_request("invalid_callback", e.to_string()))?;
+        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidCallback, e.to_string()))?;
     let now = app.clock.now_ms();
     let ordering_key = format!("src/{}/{}", source.name, key.transaction_id);
     let id = MessageId::generate(now, &ordering_key);
     let response = serde_json::to_string(&CallbackAccepted {
         message_id: id.to_string(),
     })
-    .map_err(|e| ApiError::bad_request("invalid_callback", e.to_string()))?;
+    .map_err(|e| ApiError::bad_request(ErrorCode::InvalidCallback, e.to_string()))?;
     let max_age_ms = app.config.dispatch.max_age_secs.saturating_mul(1000) as i64;
     let message = NewMessage {
         id,
@@ -180,18 +178,12 @@ fn event_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get(EVENT_HEADER) else {
         return Ok(None);
     };
-    let text = value.to_str().map_err(|_| {
-        ApiError::bad_request(
-            "invalid_event_header",
-            "X-Callback-Event must be visible ASCII",
-        )
-    })?;
-    let text = text.trim();
-    if text.is_empty() || text.len() > MAX_EVENT_LEN {
-        return Err(ApiError::bad_request(
-            "invalid_event_header",
-            format!("X-Callback-Event must be 1 to {MAX_EVENT_LEN} characters"),
-        ));
-    }
-    Ok(Some(text.to_string()))
+    super::header_text(value, MAX_EVENT_LEN)
+        .map(|e| Some(e.to_string()))
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                ErrorCode::InvalidEventHeader,
+                format!("X-Callback-Event must be 1 to {MAX_EVENT_LEN} visible ASCII characters"),
+            )
+        })
 }

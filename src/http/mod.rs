@@ -28,7 +28,7 @@ use tower_http::request_id::{
 use tower_http::trace::TraceLayer;
 
 use crate::app::App;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -200,7 +200,10 @@ async fn collect(
     let mut bytes = Vec::with_capacity(declared);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
-            ApiError::bad_request("unreadable_body", format!("cannot read the body: {e}"))
+            ApiError::bad_request(
+                ErrorCode::UnreadableBody,
+                format!("cannot read the body: {e}"),
+            )
         })?;
         // Trailers carry nothing the API reads.
         let Ok(data) = frame.into_data() else {
@@ -217,6 +220,14 @@ async fn collect(
         bytes,
         _share: share,
     })
+}
+
+/// A header holding text: trimmed, 1 to `max` characters, visible ASCII with inner spaces
+/// (the document's `HEADER_TEXT` pattern). `None` for anything else.
+pub fn header_text(value: &HeaderValue, max: usize) -> Option<&str> {
+    let text = value.to_str().ok()?.trim_matches([' ', '\t']);
+    let visible = text.bytes().all(|b| (b' '..=b'~').contains(&b));
+    (visible && !text.is_empty() && text.len() <= max).then_some(text)
 }
 
 /// Maps axum's path extraction failure (e.g. a segment that is not UTF-8) to our JSON error.

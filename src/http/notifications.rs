@@ -23,17 +23,17 @@ use super::{raw_json, read_body};
 use crate::app::App;
 use crate::clock::format_iso;
 use crate::digest::short_hash;
-use crate::error::{ApiError, ErrorBody};
+use crate::error::{ApiError, ErrorBody, ErrorCode};
 use crate::metrics as m;
 use crate::payment::{self, PaymentStatus};
 use crate::store::{
     AcceptOutcome, AcceptRequest, Claim, MessageId, MessageKind, NewMessage, PaymentTransition,
 };
 
-const MAX_ID_LEN: usize = 256;
-const MAX_HEADERS: usize = 32;
+pub const MAX_ID_LEN: usize = 256;
+pub const MAX_HEADERS: usize = 32;
 /// Headers a connector may not set: they belong to the HTTP exchange or to callbackd.
-const RESERVED_HEADERS: [&str; 7] = [
+pub const RESERVED_HEADERS: [&str; 7] = [
     "host",
     "content-length",
     "content-type",
@@ -64,9 +64,24 @@ pub struct NotificationRequest {
     #[serde(default)]
     pub headers: Option<BTreeMap<String, String>>,
     /// Shortens the delivery window for this notification (at most `dispatch.max_age_secs`).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "whole_seconds")]
     #[schema(minimum = 1, maximum = 604800)]
     pub max_age_secs: Option<u64>,
+}
+
+/// A count of seconds written `60` or `60.0` (the same number to JSON); not a fraction.
+fn whole_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
+        return Ok(None);
+    };
+    n.as_u64()
+        .or_else(|| {
+            n.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= u32::MAX as f64)
+                .map(|f| f as u64)
+        })
+        .map(Some)
+        .ok_or_else(|| serde::de::Error::custom(format!("`{n}` is not a whole number of seconds")))
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -96,7 +111,7 @@ pub struct NotificationAccepted {
         (status = 422, description = "Idempotency key reused with another body", body = ErrorBody),
         (status = 503, description = "Store unavailable; retry", body = ErrorBody),
     ),
-    security(("bearer" = [])),
+    security(("connector" = [])),
     tag = "connectors"
 )]
 pub async fn hand_off(
@@ -106,16 +121,7 @@ pub async fn hand_off(
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let result = accept(&app, &headers, body).await;
-    let outcome = match &result {
-        Ok((_, false)) => "accepted",
-        Ok((_, true)) => "replayed",
-        Err(ApiError::InvalidTransition { .. }) => "invalid_transition",
-        Err(ApiError::IdempotencyMismatch) => "key_conflict",
-        Err(ApiError::Unavailable(_)) => "unavailable",
-        Err(ApiError::Busy) => "busy",
-        Err(ApiError::Unauthorized(_) | ApiError::Forbidden) => "unauthorized",
-        Err(_) => "bad_request",
-    };
+    let outcome = m::notification_outcome(result.as_ref().map(|(_, r)| *r).map_err(ApiError::code));
     metrics::counter!(m::NOTIFICATIONS, "outcome" => outcome).increment(1);
     metrics::histogram!(m::ACCEPT_SECONDS, "route" => "notifications")
         .record(started.elapsed().as_secs_f64());
@@ -127,10 +133,16 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
     require(app, headers, Role::Connector)?;
     let bytes = read_body(app, body, headers).await?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
-        ApiError::bad_request("invalid_json", format!("body is not valid JSON: {e}"))
+        ApiError::bad_request(
+            ErrorCode::InvalidJson,
+            format!("body is not valid JSON: {e}"),
+        )
     })?;
     let req: NotificationRequest = serde_path_to_error::deserialize(&value).map_err(|e| {
-        ApiError::bad_request("invalid_request", format!("`{}`: {}", e.path(), e.inner()))
+        ApiError::bad_request(
+            ErrorCode::InvalidRequest,
+            format!("`{}`: {}", e.path(), e.inner()),
+        )
     })?;
     let to = validate(app, &req).await?;
     let idempotency_key = idempotency_key(headers)?;
@@ -147,7 +159,7 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
         accepted_at: format_iso(now),
         deliver_until: format_iso(deadline),
     })
-    .map_err(|e| ApiError::bad_request("invalid_request", e.to_string()))?;
+    .map_err(|e| ApiError::bad_request(ErrorCode::InvalidRequest, e.to_string()))?;
     let key_tuple = match &idempotency_key {
         Some(k) => json!(["notification-key", req.payment_id, k]),
         None => json!(["notification", req.payment_id, req.status]),
@@ -209,11 +221,13 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
 }
 
 fn field_error(field: &str, message: impl std::fmt::Display) -> ApiError {
-    ApiError::bad_request("invalid_request", format!("`{field}`: {message}"))
+    ApiError::bad_request(ErrorCode::InvalidRequest, format!("`{field}`: {message}"))
 }
 
 async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus, ApiError> {
-    if req.payment_id.is_empty() || req.payment_id.len() > MAX_ID_LEN {
+    // Characters, not bytes: what the document's `maxLength` counts.
+    let len = req.payment_id.chars().count();
+    if len == 0 || len > MAX_ID_LEN {
         return Err(field_error(
             "paymentId",
             format!("must be 1 to {MAX_ID_LEN} characters"),
@@ -272,11 +286,12 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get("idempotency-key") else {
         return Ok(None);
     };
-    match value.to_str() {
-        Ok(k) if !k.trim().is_empty() && k.len() <= MAX_ID_LEN => Ok(Some(k.trim().to_string())),
-        _ => Err(ApiError::bad_request(
-            "invalid_request",
-            format!("Idempotency-Key must be 1 to {MAX_ID_LEN} visible ASCII characters"),
-        )),
-    }
+    super::header_text(value, MAX_ID_LEN)
+        .map(|k| Some(k.to_string()))
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                ErrorCode::InvalidRequest,
+                format!("Idempotency-Key must be 1 to {MAX_ID_LEN} visible ASCII characters"),
+            )
+        })
 }

@@ -44,6 +44,8 @@ pub async fn count(
         for id in ids {
             if let Some(record) = app.store.get(id).await?
                 && resendable(record.state)
+                // Ids are narrowed by the other filters, as in the resend itself.
+                && super::admin::selects(&filter, &record)
             {
                 would_resend += 1;
             }

@@ -26,6 +26,10 @@ const STATUS: &str = "/status";
 /// Longest accepted transaction id; provider ids are short, and the id is stored with every
 /// message of the transaction.
 pub const MAX_ID_LEN: usize = 256;
+/// Largest integer id (2^53 - 1): beyond it JSON parsers (JavaScript's among them) round
+/// numbers, so two ids could become one key and an event would be dropped. Larger ids must
+/// be strings.
+pub const MAX_SAFE_ID: i64 = (1 << 53) - 1;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
@@ -33,7 +37,9 @@ pub enum KeyError {
     NotAnObject,
     #[error("body has no `id`")]
     MissingId,
-    #[error("`id` must be a string of 1 to {MAX_ID_LEN} characters or an integer")]
+    #[error(
+        "`id` must be a string of 1 to {MAX_ID_LEN} characters or an integer within ±{MAX_SAFE_ID}"
+    )]
     BadId,
     #[error("body has no `status` and the request has no X-Callback-Event header")]
     MissingStatus,
@@ -48,6 +54,22 @@ pub struct DedupeKey {
     pub key: String,
 }
 
+/// An integer id within ±[`MAX_SAFE_ID`], written as `12` or `12.0` (the same number to
+/// JSON). Fractions and larger numbers are refused: they may have been rounded already.
+fn safe_integer(n: &serde_json::Number) -> Option<i64> {
+    let value = match n.as_i64() {
+        Some(i) => i,
+        None => {
+            let f = n.as_f64()?;
+            if f.fract() != 0.0 || f.abs() > MAX_SAFE_ID as f64 {
+                return None;
+            }
+            f as i64
+        }
+    };
+    (value.abs() <= MAX_SAFE_ID).then_some(value)
+}
+
 /// Derives the dedupe key of a callback body. `fields` are JSON pointers (the configured
 /// `dedupe_fields`, or [`DEFAULT_FIELDS`]).
 pub fn derive<S: AsRef<str>>(
@@ -59,10 +81,9 @@ pub fn derive<S: AsRef<str>>(
     let object = body.as_object().ok_or(KeyError::NotAnObject)?;
     let transaction_id = match object.get("id") {
         None | Some(Value::Null) => return Err(KeyError::MissingId),
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_ID_LEN => s.clone(),
-        // Floats (and integers beyond 64 bits, which JSON parsers round to floats) are
-        // refused: two different ids could round to one key and an event would be dropped.
-        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
+        // Characters, not bytes: what the OpenAPI document's `maxLength` counts.
+        Some(Value::String(s)) if !s.is_empty() && s.chars().count() <= MAX_ID_LEN => s.clone(),
+        Some(Value::Number(n)) => safe_integer(n).ok_or(KeyError::BadId)?.to_string(),
         Some(_) => return Err(KeyError::BadId),
     };
     let mut tuple: Vec<(String, Value)> = vec![
@@ -232,6 +253,36 @@ mod tests {
             KeyError::BadId
         );
         assert_eq!(err(json!({"id": "", "status": "X"}), None), KeyError::BadId);
+        for unsafe_id in [
+            json!(1.5),
+            json!(MAX_SAFE_ID + 1),
+            json!(u64::MAX),
+            json!(1e300),
+        ] {
+            assert_eq!(
+                err(json!({"id": unsafe_id, "status": "X"}), None),
+                KeyError::BadId,
+                "{unsafe_id}"
+            );
+        }
+        let whole = |id: Value| {
+            derive(
+                "p",
+                &json!({"id": id, "status": "X"}),
+                None,
+                &DEFAULT_FIELDS,
+            )
+            .unwrap()
+        };
+        assert_eq!(
+            whole(json!(12.0)),
+            whole(json!(12)),
+            "12.0 is the number 12"
+        );
+        assert_eq!(
+            whole(json!(-MAX_SAFE_ID)).transaction_id,
+            format!("-{MAX_SAFE_ID}")
+        );
         assert_eq!(
             err(json!({"id": {"a": 1}, "status": "X"}), None),
             KeyError::BadId

@@ -17,6 +17,9 @@ pub const PARTITIONS: u8 = 16;
 
 const PREFIX: &str = "msg_";
 const LEN: usize = PREFIX.len() + 12 + 2 + 14;
+/// What [`MessageId::parse`] accepts, as a regular expression (the OpenAPI document's
+/// pattern for ids and cursors): the partition digits are `00` to `0f`.
+pub const PATTERN: &str = "^msg_[0-9a-f]{12}0[0-9a-f]{15}$";
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
