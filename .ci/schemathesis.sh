@@ -7,7 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v st >/dev/null; then
+# Run as a module, so a fresh install needs no PATH or shim refresh.
+st() { python3 -m schemathesis.cli "$@"; }
+if ! python3 -c 'import schemathesis' 2>/dev/null; then
   echo "installing schemathesis (pip)"
   python3 -m pip install --quiet --disable-pip-version-check schemathesis
 fi
