@@ -315,7 +315,7 @@ async fn resend_dry_run_counts_and_changes_nothing() {
         json!({"resent": 0, "messageIds": [], "dryRun": true, "wouldResend": 3, "more": false})
     );
     let by_ids =
-        json!({"messageIds": [dead[0], "msg_000000000000000000000000000000"], "dryRun": true});
+        json!({"messageIds": [dead[0], "msg_0000000000000000000000000000"], "dryRun": true});
     let r = server.admin_post("/v1/admin/resend", &by_ids).await;
     assert_eq!(r.json::<Value>().await.unwrap()["wouldResend"], 1);
     for id in &dead {

@@ -36,6 +36,7 @@ use crate::store::ids::PATTERN as MESSAGE_ID;
         crate::store::MessageKind,
         crate::store::ResendEffect,
         crate::payment::PaymentStatus,
+        super::resend_count::DryRunAnswer,
     )),
     modifiers(&BearerAuth),
 )]
@@ -121,7 +122,8 @@ fn error_response(description: &str) -> Value {
 /// - every operation that reads a body documents the answers of reading it (400
 ///   `unreadable_body`, 408 `request_timeout`, 413 `payload_too_large`);
 /// - message ids and cursors have the pattern the server parses;
-/// - a resend needs a selector (`anyOf`), a callback an `id` and a `status`;
+/// - a resend needs a selector (`anyOf`), and answers either what it resent or, as a dry
+///   run, its count (`oneOf`); a callback needs an `id` and a `status`;
 /// - links from the answers that carry message ids to the operations that take them, so a
 ///   client (and the fuzzer) can follow a real id.
 fn complete(doc: &mut Value) {
@@ -205,6 +207,14 @@ fn complete(doc: &mut Value) {
         "maxProperties": notifications::MAX_HEADERS,
         "propertyNames": {"pattern": HEADER_NAME, "not": {"pattern": reserved_headers()}},
         "additionalProperties": {"type": "string", "pattern": HEADER_VALUE},
+    });
+
+    // A dry run (`"dryRun": true`) answers its count instead of what was resent.
+    doc["paths"]["/v1/admin/resend"]["post"]["responses"]["200"]["content"]["application/json"]["schema"] = json!({
+        "oneOf": [
+            {"$ref": "#/components/schemas/ResendAnswer"},
+            {"$ref": "#/components/schemas/DryRunAnswer"}
+        ]
     });
 
     let resend = &mut doc["components"]["schemas"]["ResendRequest"];
