@@ -25,7 +25,7 @@ use crate::metrics as m;
 use crate::payment;
 use crate::store::{
     Attempt, ListFilter, MessageId, MessageKind, MessageRecord, MessageState, OperationReservation,
-    ResendEffect, StoreError,
+    ResendEffect, StoreError, matches_filter,
 };
 
 const DEFAULT_LIMIT: usize = 100;
@@ -246,22 +246,6 @@ impl Selection {
             limit: DEFAULT_LIMIT,
         }))
     }
-}
-
-/// Whether a message meets every filter (as the store's `list` would judge it).
-pub(super) fn selects(filter: &ListFilter, record: &MessageRecord) -> bool {
-    let m = &record.message;
-    filter.state.is_none_or(|s| s == record.state)
-        && filter
-            .source
-            .as_ref()
-            .is_none_or(|s| m.source.as_ref() == Some(s))
-        && filter
-            .ordering_key
-            .as_ref()
-            .is_none_or(|k| *k == m.ordering_key)
-        && filter.created_from.is_none_or(|t| m.created_at >= t)
-        && filter.created_to.is_none_or(|t| m.created_at <= t)
 }
 
 /// List messages, oldest first, with a cursor that stays stable while new messages arrive.
@@ -674,7 +658,7 @@ async fn resend_ids(
     for id in ids {
         if narrowed {
             let record = app.store.get(id).await?;
-            if !record.is_some_and(|r| selects(filter, &r)) {
+            if !record.is_some_and(|r| matches_filter(&r, filter)) {
                 continue;
             }
         }

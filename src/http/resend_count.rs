@@ -45,7 +45,7 @@ pub async fn count(
             if let Some(record) = app.store.get(id).await?
                 && resendable(record.state)
                 // Ids are narrowed by the other filters, as in the resend itself.
-                && super::admin::selects(&filter, &record)
+                && crate::store::matches_filter(&record, &filter)
             {
                 would_resend += 1;
             }
