@@ -11,7 +11,7 @@ use callbackd::dispatch::Dispatcher;
 use callbackd::store::{MessageId, MessageRecord, MessageState};
 use serde_json::{Value, json};
 use support::redis::RedisServer;
-use support::sink::{Reply, Sink};
+use support::sink::{Gate, Reply, Sink};
 use support::{TestServer, config, eventually, handoff, virtual_server};
 
 async fn record(server: &TestServer, id: &str) -> MessageRecord {
@@ -687,16 +687,26 @@ async fn inbound_callbacks_are_forwarded_and_signed() {
 #[tokio::test]
 async fn a_slow_gateway_does_not_hold_up_another() {
     let redis = RedisServer::start();
-    let slow = Sink::start(|_, _| Reply {
-        status: 204,
-        retry_after: None,
-        delay: Duration::from_secs(5),
+    // The slow gateway answers nothing until the test opens the gate.
+    let gate = Gate::new();
+    let slow = Sink::start_async({
+        let gate = gate.clone();
+        move |_, _| {
+            let gate = gate.clone();
+            Box::pin(async move {
+                gate.wait().await;
+                Reply::status(204)
+            })
+        }
     })
     .await;
     let fast = Sink::ok().await;
     let mut cfg = config(&redis.url(), None);
     cfg.dispatch.concurrency = 8;
     cfg.dispatch.per_host_concurrency = 2;
+    // Held requests must not time out (a retry would be a new request, not more concurrency).
+    cfg.dispatch.request_timeout_ms = 60_000;
+    cfg.dispatch.lease_secs = 70;
     let server = TestServer::start(cfg).await;
     for i in 0..20 {
         let r = server
@@ -708,26 +718,29 @@ async fn a_slow_gateway_does_not_hold_up_another() {
             .await;
         assert_eq!(r.status(), 202);
     }
-    eventually(5, "the slow gateway is busy", || async {
-        (slow.count() >= 2).then_some(())
+    eventually(10, "the slow gateway holds two requests", || async {
+        (slow.in_flight() == 2).then_some(())
     })
     .await;
-    let handed_off = std::time::Instant::now();
     let r = server
         .notify(&handoff("fast-1", "approved", &format!("{}/cb", fast.url)))
         .await;
     assert_eq!(r.status(), 202);
+    // Delivered while both of the slow gateway's slots are still taken.
     eventually(10, "the other gateway's delivery", || async {
         (fast.count() == 1).then_some(())
     })
     .await;
-    // Served while the slow gateway's first two requests were still open (each takes 5 s):
-    // no third request has reached it, so the per-host cap held and the other host did not
-    // wait for the slow backlog.
+    assert_eq!(slow.in_flight(), 2, "the slow gateway still holds its two");
+
+    gate.open();
+    eventually(30, "the slow backlog delivered", || async {
+        (slow.count() == 20).then_some(())
+    })
+    .await;
     assert_eq!(
-        slow.count(),
+        slow.peak_in_flight(),
         2,
-        "never more than per_host_concurrency at once"
+        "never more than per_host_concurrency open at once"
     );
-    println!("other gateway served after {:?}", handed_off.elapsed());
 }

@@ -1,5 +1,12 @@
 //! A real HTTP receiver on 127.0.0.1 that records every request and answers as told.
+//!
+//! A reply can be held until the test opens a [`Gate`], so a test knows a delivery is still in
+//! flight without guessing how long it takes. The sink also counts the requests it is holding
+//! open and the highest number it ever held at once (a concurrency measure, not a rate).
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -53,11 +60,57 @@ pub struct Answer {
     pub body: Vec<u8>,
 }
 
-type Responder = dyn Fn(&Received, usize) -> Answer + Send + Sync;
+/// Holds replies until opened; once open it stays open.
+#[derive(Clone)]
+pub struct Gate(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Gate {
+    pub fn new() -> Gate {
+        Gate(Arc::new(tokio::sync::watch::channel(false).0))
+    }
+
+    pub fn open(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub async fn wait(&self) {
+        let mut open = self.0.subscribe();
+        let _ = open.wait_for(|o| *o).await;
+    }
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate::new()
+    }
+}
+
+pub type ReplyFuture = Pin<Box<dyn Future<Output = Reply> + Send>>;
+type AnswerFuture = Pin<Box<dyn Future<Output = Answer> + Send>>;
+type Responder = dyn Fn(&Received, usize) -> AnswerFuture + Send + Sync;
 
 struct Inner {
     received: Mutex<Vec<Received>>,
     responder: Box<Responder>,
+    in_flight: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+/// Counts a request as in flight until its reply is sent or the client goes away.
+struct InFlight<'a>(&'a Inner);
+
+impl<'a> InFlight<'a> {
+    fn enter(inner: &'a Inner) -> InFlight<'a> {
+        let now = inner.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        inner.peak.fetch_max(now, Ordering::SeqCst);
+        InFlight(inner)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[derive(Clone)]
@@ -88,9 +141,36 @@ impl Sink {
     pub async fn answering(
         responder: impl Fn(&Received, usize) -> Answer + Send + Sync + 'static,
     ) -> Sink {
+        Sink::serve(Box::new(move |r, n| {
+            let answer = responder(r, n);
+            Box::pin(async move { answer })
+        }))
+        .await
+    }
+
+    /// Like [`Sink::start`], but the answer is a future: it may wait for a [`Gate`].
+    pub async fn start_async(
+        responder: impl Fn(&Received, usize) -> ReplyFuture + Send + Sync + 'static,
+    ) -> Sink {
+        Sink::serve(Box::new(move |r, n| {
+            let reply = responder(r, n);
+            Box::pin(async move {
+                Answer {
+                    reply: reply.await,
+                    content_type: None,
+                    body: Vec::new(),
+                }
+            })
+        }))
+        .await
+    }
+
+    async fn serve(responder: Box<Responder>) -> Sink {
         let inner = Arc::new(Inner {
             received: Mutex::new(Vec::new()),
-            responder: Box::new(responder),
+            responder,
+            in_flight: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -110,6 +190,16 @@ impl Sink {
     pub fn count(&self) -> usize {
         self.inner.received.lock().unwrap().len()
     }
+
+    /// Requests whose reply has not been sent yet.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// The most requests this sink ever had open at once.
+    pub fn peak_in_flight(&self) -> usize {
+        self.inner.peak.load(Ordering::SeqCst)
+    }
 }
 
 async fn handle(
@@ -123,6 +213,7 @@ async fn handle(
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
     };
+    let _in_flight = InFlight::enter(&inner);
     let index = {
         let mut all = inner.received.lock().unwrap();
         all.push(received.clone());
@@ -132,7 +223,7 @@ async fn handle(
         reply,
         content_type,
         body,
-    } = (inner.responder)(&received, index);
+    } = (inner.responder)(&received, index).await;
     if !reply.delay.is_zero() {
         tokio::time::sleep(reply.delay).await;
     }
