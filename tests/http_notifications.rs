@@ -12,7 +12,7 @@ use callbackd::store::{MessageId, MessageRecord, MessageState};
 use serde_json::{Value, json};
 use support::redis::RedisServer;
 use support::sink::{Gate, Reply, Sink};
-use support::{TestServer, config, eventually, handoff, virtual_server};
+use support::{TestServer, config, eventually, handoff, virtual_loop_server, virtual_server};
 
 async fn record(server: &TestServer, id: &str) -> MessageRecord {
     server
@@ -302,6 +302,19 @@ async fn ssrf_targets_are_refused_at_handoff() {
     );
 }
 
+/// Waits until the message has `n` delivery attempts recorded, and returns its record.
+async fn attempts_recorded(server: &TestServer, id: &str, n: usize) -> MessageRecord {
+    eventually(20, &format!("{n} attempt(s) of {id} recorded"), || async {
+        let rec = record(server, id).await;
+        let deliveries = rec.history.iter().filter(|a| a.kind == "delivery").count();
+        (deliveries == n && rec.state != MessageState::InFlight).then_some(rec)
+    })
+    .await
+}
+
+/// The real dispatcher loop on a virtual clock: a retry can only happen once the test moves
+/// the clock, so "another payment is delivered before approved's next attempt" is decided by
+/// the code, not by how fast the machine is.
 #[tokio::test]
 async fn approved_retried_three_times_still_arrives_before_settled() {
     let redis = RedisServer::start();
@@ -320,59 +333,117 @@ async fn approved_retried_three_times_still_arrives_before_settled() {
         }
     })
     .await;
-    let server = TestServer::start(config(&redis.url(), None)).await;
+    let (server, clock) = virtual_loop_server(&redis.url(), |_| {}).await;
     let url = format!("{}/cb", counting.url);
-    assert_eq!(
-        server
-            .notify(&handoff("p-ord", "approved", &url))
-            .await
-            .status(),
-        202
-    );
-    eventually(10, "first failure", || async {
-        (counting.count() >= 1).then_some(())
+    let approved = server
+        .hand_off_id(&handoff("p-ord", "approved", &url))
+        .await;
+    let mut rec = attempts_recorded(&server, &approved, 1).await;
+    let settled = server.hand_off_id(&handoff("p-ord", "settled", &url)).await;
+    // Another payment is not held up by p-ord's retries: it is delivered while the clock
+    // stands still, so before approved's next attempt.
+    server
+        .hand_off_id(&handoff(
+            "p-other",
+            "approved",
+            &format!("{}/other", counting.url),
+        ))
+        .await;
+    eventually(20, "the other payment delivered", || async {
+        counting
+            .received()
+            .iter()
+            .any(|r| r.uri == "/other")
+            .then_some(())
     })
     .await;
-    assert_eq!(
-        server
-            .notify(&handoff("p-ord", "settled", &url))
-            .await
-            .status(),
-        202
-    );
-    // Another payment is not held up by p-ord's retries.
-    assert_eq!(
-        server
-            .notify(&handoff(
-                "p-other",
-                "approved",
-                &format!("{}/other", counting.url)
-            ))
-            .await
-            .status(),
-        202
-    );
-    eventually(20, "all delivered", || async {
-        (counting.count() == 6).then_some(())
-    })
-    .await;
-    let statuses: Vec<String> = counting
-        .received()
-        .iter()
-        .filter(|r| r.uri == "/cb")
+    let cb_requests = || counting.received().into_iter().filter(|r| r.uri == "/cb");
+    assert_eq!(cb_requests().count(), 1, "approved was not retried early");
+
+    // Each retry happens when the clock reaches its scheduled time, within the jittered
+    // backoff (1 s, 2 s, 4 s, each shortened by at most half).
+    for n in 1..=3 {
+        let previous = rec.history.last().unwrap().at;
+        let next = rec
+            .next_attempt_at
+            .expect("a failed head has a next attempt");
+        let base = 1000 * (1 << (n - 1));
+        assert!(
+            (previous + base / 2..=previous + base).contains(&next),
+            "retry {n} scheduled {} ms after the failure",
+            next - previous
+        );
+        clock.set(next);
+        rec = attempts_recorded(&server, &approved, n + 1).await;
+        assert_eq!(rec.history.last().unwrap().at, next, "attempted when due");
+    }
+    assert_eq!(rec.state, MessageState::Delivered);
+    let settled = attempts_recorded(&server, &settled, 1).await;
+    assert_eq!(settled.state, MessageState::Delivered);
+
+    let statuses: Vec<String> = cb_requests()
         .map(|r| r.json()["status"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(
         statuses,
         ["approved", "approved", "approved", "approved", "settled"]
     );
-    let attempts: Vec<String> = counting
-        .received()
-        .iter()
-        .filter(|r| r.uri == "/cb")
+    let attempts: Vec<String> = cb_requests()
         .map(|r| r.header("x-callbackd-attempt").unwrap())
         .collect();
     assert_eq!(attempts, ["1", "2", "3", "4", "1"]);
+}
+
+/// The same loop dead-letters on 410, honours `Retry-After` and delivers a resend.
+#[tokio::test]
+async fn the_real_loop_on_a_virtual_clock_gone_retry_after_and_resend() {
+    let redis = RedisServer::start();
+    let sink = Sink::start(|req, _| match req.uri.as_str() {
+        "/gone" => Reply::status(410),
+        _ => Reply {
+            status: 429,
+            retry_after: Some("120".into()),
+            delay: Duration::ZERO,
+        },
+    })
+    .await;
+    let (server, clock) = virtual_loop_server(&redis.url(), |_| {}).await;
+    let gone = server
+        .hand_off_id(&handoff(
+            "p-gone",
+            "approved",
+            &format!("{}/gone", sink.url),
+        ))
+        .await;
+    let later = server
+        .hand_off_id(&handoff(
+            "p-later",
+            "approved",
+            &format!("{}/later", sink.url),
+        ))
+        .await;
+    let rec = attempts_recorded(&server, &gone, 1).await;
+    assert_eq!(rec.state, MessageState::Dead, "410 stops at once");
+    let rec = attempts_recorded(&server, &later, 1).await;
+    let first = rec.history[0].at;
+    assert_eq!(
+        rec.next_attempt_at,
+        Some(first + 120_000),
+        "Retry-After: 120"
+    );
+    clock.set(first + 120_000);
+    attempts_recorded(&server, &later, 2).await;
+
+    let r = server
+        .admin_post("/v1/admin/resend", &json!({"messageIds": [gone]}))
+        .await;
+    assert_eq!(r.status(), 200);
+    let rec = attempts_recorded(&server, &gone, 2).await;
+    assert_eq!(rec.state, MessageState::Dead, "resent, then 410 again");
+    assert_eq!(
+        sink.received().iter().filter(|r| r.uri == "/gone").count(),
+        2
+    );
 }
 
 #[tokio::test]

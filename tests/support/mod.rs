@@ -241,3 +241,23 @@ pub async fn virtual_server(
     );
     (server, clock, dispatcher)
 }
+
+/// A server on a virtual clock whose dispatcher is the real `run` loop users get (default
+/// 1 s / 1 h backoff, default host caps): it claims what is due at the clock's time, so a
+/// retry happens only once the test moves the clock to it.
+pub async fn virtual_loop_server(
+    store_url: &str,
+    tweak: impl FnOnce(&mut Config),
+) -> (TestServer, Arc<ManualClock>) {
+    let clock = manual_clock();
+    let mut cfg = config(store_url, None);
+    let defaults = callbackd::config::DispatchConfig::default();
+    cfg.dispatch.initial_backoff_ms = defaults.initial_backoff_ms;
+    cfg.dispatch.max_backoff_secs = defaults.max_backoff_secs;
+    cfg.dispatch.concurrency = defaults.concurrency;
+    cfg.dispatch.per_host_concurrency = defaults.per_host_concurrency;
+    tweak(&mut cfg);
+    assert!(cfg.dispatch.enabled, "the loop under test must run");
+    let server = TestServer::start_with_clock(cfg, clock.clone()).await;
+    (server, clock)
+}
