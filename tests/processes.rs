@@ -3,14 +3,13 @@
 mod support;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::process::Process;
 use support::redis::RedisServer;
-use support::sink::{Reply, Sink};
+use support::sink::{Gate, Reply, Sink};
 use support::{CONNECTOR_TOKEN, eventually};
 
 async fn hand_off(client: &reqwest::Client, base: &str, payment: &str, target: &str) -> Value {
@@ -25,41 +24,60 @@ async fn hand_off(client: &reqwest::Client, base: &str, payment: &str, target: &
     r.json().await.unwrap()
 }
 
+/// A sink that holds its first request until `gate` opens and answers 204 to the others.
+async fn holding_first(gate: &Gate) -> Sink {
+    let gate = gate.clone();
+    Sink::start_async(move |_, index| {
+        let gate = gate.clone();
+        Box::pin(async move {
+            if index == 0 {
+                gate.wait().await;
+            }
+            Reply::status(204)
+        })
+    })
+    .await
+}
+
+async fn view(client: &reqwest::Client, base: &str, id: &str) -> Option<Value> {
+    client
+        .get(format!("{base}/v1/messages/{id}"))
+        .bearer_auth(support::ADMIN_TOKEN)
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()
+}
+
 #[tokio::test]
 async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
     let redis = RedisServer::start();
-    let first = Arc::new(AtomicUsize::new(0));
-    let sink = Sink::start({
-        let first = first.clone();
-        move |_, _| {
-            if first.fetch_add(1, Ordering::SeqCst) == 0 {
-                // Hold the first attempt until the worker is dead.
-                Reply {
-                    status: 204,
-                    retry_after: None,
-                    delay: Duration::from_millis(900),
-                }
-            } else {
-                Reply::status(204)
-            }
-        }
-    })
-    .await;
-    let mut doomed = Process::start(&redis.url(), "");
+    // The first attempt is held open until the test is done and times out only after 10 s, so
+    // the kill (issued as soon as the attempt is seen) always lands mid-delivery.
+    let gate = Gate::new();
+    let sink = holding_first(&gate).await;
+    let env = [
+        ("CALLBACKD__DISPATCH__REQUEST_TIMEOUT_MS", "10000"),
+        ("CALLBACKD__DISPATCH__LEASE_SECS", "15"),
+    ];
+    let mut doomed = Process::start_with_env(&redis.url(), "", &env);
     let client = reqwest::Client::new();
     let answer = hand_off(&client, &doomed.url, "p-crash", &format!("{}/cb", sink.url)).await;
     eventually(10, "first attempt in flight", || async {
-        (sink.count() == 1).then_some(())
+        (sink.in_flight() == 1).then_some(())
     })
     .await;
     doomed.child.kill().unwrap();
     doomed.child.wait().unwrap();
 
     let survivor = Process::start(&redis.url(), "");
-    eventually(20, "redelivery by the survivor after the lease", || async {
+    eventually(60, "redelivery by the survivor after the lease", || async {
         (sink.count() == 2).then_some(())
     })
     .await;
+    gate.open();
     let got = sink.received();
     let id = answer["notificationId"].as_str().unwrap();
     assert_eq!(got[0].header("x-callbackd-message-id").as_deref(), Some(id));
@@ -69,15 +87,7 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
         "stable id lets the receiver drop the redelivery"
     );
     let view: Value = eventually(10, "recorded as delivered", || async {
-        let v: Value = client
-            .get(format!("{}/v1/messages/{id}", survivor.url))
-            .bearer_auth(support::ADMIN_TOKEN)
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
+        let v = view(&client, &survivor.url, id).await?;
         (v["state"] == "delivered").then_some(v)
     })
     .await;
@@ -130,46 +140,99 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
     assert_eq!(sink.count(), total);
 }
 
+/// SIGTERM while a delivery is held open by the receiver: the process stops accepting
+/// connections at once, the delivery finishes within the grace period and is recorded, and
+/// the process exits 0.
 #[tokio::test]
-async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
+async fn sigterm_stops_accepting_lets_the_in_flight_delivery_finish_and_exits_zero() {
     let redis = RedisServer::start();
-    let sink = Sink::start(|_, _| Reply {
-        status: 204,
-        retry_after: None,
-        delay: Duration::from_millis(800),
-    })
-    .await;
-    let mut process = Process::start(&redis.url(), "");
+    let gate = Gate::new();
+    let sink = holding_first(&gate).await;
+    // A grace and an attempt timeout far longer than the test: the process stays up, with its
+    // delivery open, until the test lets the receiver answer.
+    let mut process = Process::start_with_env(
+        &redis.url(),
+        "",
+        &[
+            ("CALLBACKD__SERVER__SHUTDOWN_GRACE_SECS", "120"),
+            ("CALLBACKD__DISPATCH__REQUEST_TIMEOUT_MS", "120000"),
+            ("CALLBACKD__DISPATCH__LEASE_SECS", "130"),
+        ],
+    );
     let client = reqwest::Client::new();
     let answer = hand_off(&client, &process.url, "p-term", &format!("{}/cb", sink.url)).await;
     eventually(10, "delivery in flight", || async {
-        (sink.count() == 1).then_some(())
+        (sink.in_flight() == 1).then_some(())
     })
     .await;
     process.signal("TERM");
-    let status = tokio::task::spawn_blocking(move || {
-        let status = process.child.wait().unwrap();
-        (status, process)
+    let port = process.port;
+    eventually(10, "new connections refused after SIGTERM", || async {
+        // Refused outright; a connect left hanging (a full backlog) is not a refusal.
+        let connect = tokio::net::TcpStream::connect(("127.0.0.1", port));
+        let attempt = tokio::time::timeout(Duration::from_secs(1), connect).await;
+        matches!(attempt, Ok(Err(_))).then_some(())
     })
-    .await
-    .unwrap()
-    .0;
+    .await;
+    assert!(
+        process.child.try_wait().unwrap().is_none(),
+        "refused by a process that is still running (finishing its delivery)"
+    );
+    assert_eq!(sink.in_flight(), 1, "the delivery is still open");
+    gate.open();
+    let status = process.exit_status(30).await;
     assert_eq!(status.code(), Some(0), "clean exit");
 
-    // The delivery completed and was recorded before exit: a new process finds it delivered
-    // and does not send it again.
+    // The delivery completed and was recorded before exit: a new process finds it delivered,
+    // so it is never sent again.
     let checker = Process::start(&redis.url(), "");
     let id = answer["notificationId"].as_str().unwrap();
-    let view: Value = client
-        .get(format!("{}/v1/messages/{id}", checker.url))
-        .bearer_auth(support::ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let view = view(&client, &checker.url, id).await.expect("message view");
     assert_eq!(view["state"], "delivered");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(view["attemptCount"], 1);
+    assert_eq!(view["attempts"][0]["status"], 204);
     assert_eq!(sink.count(), 1);
+}
+
+/// SIGTERM while the receiver holds a delivery longer than the grace period: the process
+/// gives the lease back and exits 0, and a fresh process redelivers at once, long before the
+/// 600 s lease would have expired.
+#[tokio::test]
+async fn sigterm_hands_an_unfinished_lease_back() {
+    let redis = RedisServer::start();
+    let gate = Gate::new();
+    let sink = holding_first(&gate).await;
+    // The attempt would time out only after 30 s: at the end of the 1 s grace it is still open.
+    let env = [
+        ("CALLBACKD__SERVER__SHUTDOWN_GRACE_SECS", "1"),
+        ("CALLBACKD__DISPATCH__REQUEST_TIMEOUT_MS", "30000"),
+        ("CALLBACKD__DISPATCH__LEASE_SECS", "600"),
+    ];
+    let mut process = Process::start_with_env(&redis.url(), "", &env);
+    let client = reqwest::Client::new();
+    let answer = hand_off(&client, &process.url, "p-back", &format!("{}/cb", sink.url)).await;
+    eventually(10, "delivery in flight", || async {
+        (sink.in_flight() == 1).then_some(())
+    })
+    .await;
+    process.signal("TERM");
+    let status = process.exit_status(30).await;
+    assert_eq!(status.code(), Some(0), "clean exit after the grace period");
+
+    let fresh = Process::start_with_env(&redis.url(), "", &env);
+    eventually(30, "redelivery by a fresh process", || async {
+        (sink.count() == 2).then_some(())
+    })
+    .await;
+    gate.open();
+    let id = answer["notificationId"].as_str().unwrap();
+    let view = eventually(10, "recorded as delivered", || async {
+        let v = view(&client, &fresh.url, id).await?;
+        (v["state"] == "delivered").then_some(v)
+    })
+    .await;
+    assert_eq!(
+        view["attemptCount"], 1,
+        "the abandoned attempt is not an attempt"
+    );
 }

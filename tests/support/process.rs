@@ -8,6 +8,7 @@ use super::redis::free_port;
 pub struct Process {
     pub child: Child,
     pub url: String,
+    pub port: u16,
     _config: tempfile::NamedTempFile,
 }
 
@@ -15,10 +16,11 @@ impl Process {
     /// Starts `callbackd serve` on a free port with the test tokens, fast retries, private
     /// targets allowed, the given store and `extra` TOML appended (e.g. a source table).
     pub fn start(store_url: &str, extra: &str) -> Process {
-        Self::start_with_env(store_url, extra, &[])
+        Process::start_with_env(store_url, extra, &[])
     }
 
-    /// `start`, with extra environment variables for the process.
+    /// Like [`Process::start`], with `CALLBACKD__...` overrides of the template's keys, e.g.
+    /// `("CALLBACKD__DISPATCH__LEASE_SECS", "600")`.
     pub fn start_with_env(store_url: &str, extra: &str, env: &[(&str, &str)]) -> Process {
         let config = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(
@@ -69,7 +71,23 @@ shutdown_grace_secs = 10
         Process {
             child,
             url,
+            port,
             _config: config,
+        }
+    }
+
+    /// Waits for the process to exit, at most `secs`; panics if it does not.
+    pub async fn exit_status(&mut self, secs: u64) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for callbackd") {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "callbackd did not exit within {secs} s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
