@@ -5,7 +5,7 @@ mod support;
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use support::eventually;
@@ -44,15 +44,19 @@ async fn kill_9_during_a_burst_loses_no_acknowledged_callback() {
 
     // Eight senders post unique callbacks until the process dies under them.
     let base = process.url.clone();
+    let acks = Arc::new(AtomicUsize::new(0));
     let senders: Vec<_> = (0..8)
         .map(|sender| {
-            let (client, base) = (client.clone(), base.clone());
+            let (client, base, acks) = (client.clone(), base.clone(), acks.clone());
             tokio::spawn(async move {
                 let mut acknowledged = Vec::new();
                 for i in 0.. {
                     let tx = sender * 1_000_000 + i;
                     match post(&client, &base, tx).await {
-                        Some(r) if r.status() == 200 => acknowledged.push(tx),
+                        Some(r) if r.status() == 200 => {
+                            acknowledged.push(tx);
+                            acks.fetch_add(1, Ordering::SeqCst);
+                        }
                         Some(_) => {}
                         None => break,
                     }
@@ -61,18 +65,18 @@ async fn kill_9_during_a_burst_loses_no_acknowledged_callback() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The kill lands mid-burst: once 200 callbacks are acknowledged, however long that takes.
+    eventually(60, "200 callbacks acknowledged", || async {
+        (acks.load(Ordering::SeqCst) >= 200).then_some(())
+    })
+    .await;
     process.child.kill().unwrap();
     process.child.wait().unwrap();
     let mut acknowledged = Vec::new();
     for s in senders {
         acknowledged.extend(s.await.unwrap());
     }
-    assert!(
-        acknowledged.len() > 50,
-        "the burst got going: {}",
-        acknowledged.len()
-    );
+    assert!(acknowledged.len() >= 200, "{}", acknowledged.len());
     println!("acknowledged before kill -9: {}", acknowledged.len());
 
     let restarted = Process::start(&store, &source_table(&sink));
@@ -113,15 +117,26 @@ async fn a_second_process_on_the_same_file_is_refused() {
         format!("[store]\nurl = \"{store}\"\n[server]\nlisten = \"127.0.0.1:0\"\n"),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
+    let second = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
         .args(["serve", "--config", config.to_str().unwrap()])
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
         .unwrap();
-    assert_ne!(out.status.code(), Some(0));
+    let out = tokio::time::timeout(Duration::from_secs(30), second.wait_with_output())
+        .await
+        .expect("the second process exits instead of serving")
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
+    let db = dir.path().join("cb.db");
     assert!(
-        stderr.to_lowercase().contains("another"),
-        "a clear error: {stderr}"
+        stderr.contains(&format!(
+            "another callbackd process has the database {} open",
+            db.display()
+        )),
+        "a clear error naming the file: {stderr}"
     );
 }
 
