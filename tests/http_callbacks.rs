@@ -101,7 +101,7 @@ async fn two_hundred_concurrent_duplicates_make_one_record() {
 }
 
 #[tokio::test]
-async fn claim_survives_a_redis_restart_and_has_a_30_day_ttl() {
+async fn claim_survives_a_redis_kill_and_has_a_30_day_ttl() {
     let mut redis = RedisServer::start();
     let server = TestServer::start(config(&redis.url(), None)).await;
     let first = server.post_callback("payzu", BODY, None).await;
@@ -117,7 +117,8 @@ async fn claim_survives_a_redis_restart_and_has_a_30_day_ttl() {
     let ttl: i64 = redis.cli(&["ttl", &key]).parse().unwrap();
     assert!((2_591_990..=2_592_000).contains(&ttl), "ttl {ttl}");
 
-    redis.stop(false);
+    // SIGKILL, not a clean shutdown: only what the AOF had fsynced survives.
+    redis.stop(true);
     redis.start_again();
     let again = support::eventually(10, "redis back", || async {
         let r = server.post_callback("payzu", BODY, None).await;
