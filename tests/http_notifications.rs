@@ -446,6 +446,30 @@ async fn the_real_loop_on_a_virtual_clock_gone_retry_after_and_resend() {
     );
 }
 
+/// Attempts a target that is always down gets at times before `horizon` (ms after
+/// acceptance) within the default 7-day window: `(fewest, most)`, with every delay at its
+/// longest (no jitter) and at its shortest (jittered down by half). Any run lies between.
+fn failures_before(horizon: i64) -> (usize, usize) {
+    use callbackd::dispatch::schedule::{Backoff, Next, next_attempt};
+    let backoff = Backoff {
+        initial_ms: 1_000,
+        max_ms: 3_600_000,
+    };
+    let count = |jitter: f64| {
+        let (mut at, mut step, mut n) = (0, 0, 0);
+        while at < horizon {
+            n += 1;
+            match next_attempt(backoff, step, at, 7 * 86_400_000, jitter, None) {
+                Next::RetryAt(next) => at = next,
+                Next::GiveUp => break,
+            }
+            step += 1;
+        }
+        n
+    };
+    (count(0.0), count(1.0))
+}
+
 #[tokio::test]
 async fn seven_days_on_a_virtual_clock() {
     let redis = RedisServer::start();
@@ -472,11 +496,15 @@ async fn seven_days_on_a_virtual_clock() {
     assert_eq!(rec.state, MessageState::Delivered);
     let successes = rec.history.iter().filter(|a| a.status == Some(204)).count();
     assert_eq!(successes, 1);
-    println!(
-        "down 6 days then up: delivered at attempt {}",
-        rec.delivery_attempts
+    let attempts = rec.delivery_attempts as usize;
+    println!("down 6 days then up: delivered at attempt {attempts}");
+    let (fewest, most) = failures_before(six_days);
+    assert!(
+        (fewest + 1..=most + 1).contains(&attempts),
+        "{attempts} attempts: the schedule allows {} to {}",
+        fewest + 1,
+        most + 1
     );
-    assert!(rec.delivery_attempts > 100, "hourly retries over six days");
     assert_eq!(sink.count() as u64, rec.history_total);
     assert_eq!(
         rec.history.len(),
@@ -501,9 +529,16 @@ async fn seven_days_on_a_virtual_clock() {
         rec.message.deadline - rec.message.created_at,
         7 * 86_400_000
     );
-    println!(
-        "down for good: {} attempts over 7 days, then dead",
-        rec.delivery_attempts
+    let attempts = rec.delivery_attempts as usize;
+    println!("down for good: {attempts} attempts over 7 days, then dead");
+    let (fewest, most) = failures_before(7 * 86_400_000 + 1);
+    assert_eq!(
+        fewest, 180,
+        "README: 180 attempts over 7 days without jitter"
+    );
+    assert!(
+        (fewest..=most).contains(&attempts),
+        "{attempts} attempts: the schedule allows {fewest} to {most}"
     );
     clock.advance(86_400_000);
     d.tick().await;
