@@ -35,8 +35,8 @@
 use std::fs::{self, File, TryLockError};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -145,8 +145,9 @@ pub struct SqliteOptions {
     /// disk were full. `None` keeps SQLite's default. Used by tests to exercise disk-full.
     pub max_page_count: Option<u64>,
     /// Longest a caller waits for an answer (`store.timeout_ms`): past it the call fails with
-    /// `Unavailable` (a 503) instead of hanging on a stuck disk. A write that commits after
-    /// its caller gave up is harmless: the sender's retry gets the stored answer as a replay.
+    /// `Unavailable` (a 503) instead of hanging on a stuck disk. A command the writer had not
+    /// started by then never runs; one it had started may still commit (a slow fsync), and
+    /// then the sender's retry gets the stored answer as a replay. Never both, never neither.
     pub timeout: Duration,
     /// How long a payment's status outlives its last transition (raised to the retention if
     /// shorter).
@@ -172,6 +173,8 @@ pub struct SqliteStore {
     reader: Arc<Mutex<Connection>>,
     /// Transactions committed by the writer (observability, and the group-commit tests).
     commits: Arc<AtomicU64>,
+    /// Fault injection: holds the writer before its commits while armed.
+    stall: Arc<CommitGate>,
     /// How long finished messages and their history are kept.
     retention_ms: i64,
     payment_retention_ms: i64,
@@ -271,12 +274,14 @@ impl SqliteStore {
             .map_err(|e| context(path, db_error(e)))?;
 
         let commits = Arc::new(AtomicU64::new(0));
+        let stall = Arc::new(CommitGate::default());
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let thread = {
             let commits = Arc::clone(&commits);
+            let stall = Arc::clone(&stall);
             std::thread::Builder::new()
                 .name("callbackd-sqlite-writer".into())
-                .spawn(move || writer_loop(writer, rx, commits))
+                .spawn(move || writer_loop(writer, rx, commits, stall))
                 .map_err(|e| unavailable("cannot start the SQLite writer thread", &e))?
         };
         Ok(SqliteStore {
@@ -284,6 +289,7 @@ impl SqliteStore {
             thread: Some(thread),
             reader: Arc::new(Mutex::new(reader)),
             commits,
+            stall,
             retention_ms,
             payment_retention_ms,
             timeout: options.timeout,
@@ -314,7 +320,29 @@ impl SqliteStore {
         .await
     }
 
+    /// Fault injection, for tests and drills: until the returned guard is dropped, the writer
+    /// stops before each commit, as on a disk whose fsync hangs. The commands of the held
+    /// batch have run but are not committed; later commands wait in the queue.
+    pub fn stall_commits(&self) -> CommitStall {
+        self.stall.arm();
+        CommitStall {
+            gate: Arc::clone(&self.stall),
+        }
+    }
+
+    /// Commands waiting for the writer (not counting the batch it is running).
+    pub fn queued(&self) -> usize {
+        self.writer
+            .as_ref()
+            .map_or(0, |w| QUEUE_CAPACITY - w.capacity())
+    }
+
     /// Sends one command to the writer and waits until it is committed (or failed).
+    ///
+    /// A caller that gives up (`timeout`, or its future is dropped, e.g. a client that hung
+    /// up) withdraws a command the writer has not started: it never runs, so its failure
+    /// means nothing was written. A command already started may still commit, like a Redis
+    /// script whose reply nobody reads; the caller's retry then finds its effect.
     async fn write<T, F>(&self, now: Option<Millis>, op: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -322,19 +350,30 @@ impl SqliteStore {
     {
         let writer = self.writer.as_ref().ok_or_else(writer_gone)?;
         let (reply, answer) = oneshot::channel();
+        let ticket = Ticket::default();
         let job = Box::new(Op {
             now,
             op: Some(op),
+            ticket: ticket.clone(),
             outcome: None,
             reply,
         });
-        // If this future is dropped or times out once the command is queued, the command
-        // still runs and commits, exactly like a Redis script whose reply nobody reads.
-        self.bounded(async {
+        let _withdraw_if_dropped = ticket.withdraw_on_drop();
+        let call = async {
             writer.send(job).await.map_err(|_| writer_gone())?;
             answer.await.map_err(|_| writer_gone())?
-        })
-        .await
+        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(outcome) => outcome,
+            Err(_) if ticket.withdraw() => Err(StoreError::Unavailable(format!(
+                "SQLite did not start the write within {:?}; it was withdrawn",
+                self.timeout
+            ))),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "SQLite did not commit within {:?}; the write may still commit",
+                self.timeout
+            ))),
+        }
     }
 
     async fn bounded<T>(
@@ -492,12 +531,116 @@ fn wall_clock_ms() -> Millis {
 }
 
 // ---------------------------------------------------------------------------------------
+// Giving up on a write, and holding commits (fault injection)
+
+const WAITING: u8 = 0;
+const STARTED: u8 = 1;
+const WITHDRAWN: u8 = 2;
+
+/// Who decides a queued command's fate: the writer starts it, or its caller withdraws it,
+/// whichever comes first. After a withdrawal the command never runs.
+#[derive(Clone, Default)]
+struct Ticket(Arc<AtomicU8>);
+
+impl Ticket {
+    /// The writer's side: true when the command may run.
+    fn start(&self) -> bool {
+        self.0
+            .compare_exchange(WAITING, STARTED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The caller's side: true when the command will never run.
+    fn withdraw(&self) -> bool {
+        match self
+            .0
+            .compare_exchange(WAITING, WITHDRAWN, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => true,
+            Err(state) => state == WITHDRAWN,
+        }
+    }
+
+    fn withdraw_on_drop(&self) -> WithdrawOnDrop {
+        WithdrawOnDrop(self.clone())
+    }
+}
+
+/// Withdraws a command whose caller's future is dropped before the writer starts it. After
+/// the answer came the command has started, so this does nothing.
+struct WithdrawOnDrop(Ticket);
+
+impl Drop for WithdrawOnDrop {
+    fn drop(&mut self) {
+        self.0.withdraw();
+    }
+}
+
+/// Shared by the store and its writer thread; see [`SqliteStore::stall_commits`].
+#[derive(Default)]
+struct CommitGate {
+    armed: Mutex<bool>,
+    resume: Condvar,
+    /// True while the writer is held before a commit.
+    holding: tokio::sync::watch::Sender<bool>,
+}
+
+impl CommitGate {
+    fn arm(&self) {
+        *self.armed.lock().unwrap_or_else(PoisonError::into_inner) = true;
+    }
+
+    fn release(&self) {
+        *self.armed.lock().unwrap_or_else(PoisonError::into_inner) = false;
+        self.resume.notify_all();
+    }
+
+    /// Called by the writer before each commit: waits while the gate is armed.
+    fn pass(&self) {
+        let mut armed = self.armed.lock().unwrap_or_else(PoisonError::into_inner);
+        if !*armed {
+            return;
+        }
+        self.holding.send_replace(true);
+        while *armed {
+            armed = self
+                .resume
+                .wait(armed)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        self.holding.send_replace(false);
+    }
+}
+
+/// Holds the SQLite writer before its commits until dropped.
+pub struct CommitStall {
+    gate: Arc<CommitGate>,
+}
+
+impl CommitStall {
+    /// Waits until the writer is held before a commit (a batch has run, uncommitted).
+    pub async fn holding(&self) {
+        let mut holding = self.gate.holding.subscribe();
+        let _ = holding.wait_for(|h| *h).await;
+    }
+}
+
+impl Drop for CommitStall {
+    fn drop(&mut self) {
+        self.gate.release();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // The writer: group commit
 
 /// One write command, type-erased so different commands share one channel and one batch.
 trait Job: Send {
     /// The caller's time, if the command has one (it drives the expiry sweep).
     fn now(&self) -> Option<Millis>;
+    /// Claims the command for running; false (and an error answer) when its caller has
+    /// withdrawn it.
+    fn begin(&mut self) -> bool;
     /// Runs the command inside the batch transaction; false when it failed.
     fn run(&mut self, conn: &Connection) -> bool;
     /// The command's effect did not commit: its answer becomes this error (a command that
@@ -509,6 +652,7 @@ trait Job: Send {
 struct Op<T, F> {
     now: Option<Millis>,
     op: Option<F>,
+    ticket: Ticket,
     outcome: Option<Result<T, StoreError>>,
     reply: oneshot::Sender<Result<T, StoreError>>,
 }
@@ -520,6 +664,16 @@ where
 {
     fn now(&self) -> Option<Millis> {
         self.now
+    }
+
+    fn begin(&mut self) -> bool {
+        let started = self.ticket.start();
+        if !started {
+            self.outcome = Some(Err(StoreError::Unavailable(
+                "withdrawn by its caller before it ran".into(),
+            )));
+        }
+        started
     }
 
     fn run(&mut self, conn: &Connection) -> bool {
@@ -554,6 +708,7 @@ fn writer_loop(
     conn: Connection,
     mut commands: mpsc::Receiver<Box<dyn Job>>,
     commits: Arc<AtomicU64>,
+    stall: Arc<CommitGate>,
 ) {
     // `blocking_recv` returns the queued commands after the store is dropped, then `None`:
     // nothing already sent is abandoned.
@@ -565,7 +720,7 @@ fn writer_loop(
                 Err(_) => break,
             }
         }
-        if run_batch(&conn, &mut batch) {
+        if run_batch(&conn, &mut batch, &stall) {
             commits.fetch_add(1, Ordering::Relaxed);
         }
         for job in batch {
@@ -580,7 +735,7 @@ fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
 
 /// Runs a batch in one transaction; true when it committed. Every job ends with an outcome
 /// that is either committed or an error.
-fn run_batch(conn: &Connection, batch: &mut [Box<dyn Job>]) -> bool {
+fn run_batch(conn: &Connection, batch: &mut [Box<dyn Job>], stall: &CommitGate) -> bool {
     let abort_all = |batch: &mut [Box<dyn Job>], why: &str| {
         for job in batch.iter_mut() {
             job.abort(why);
@@ -605,6 +760,9 @@ fn run_batch(conn: &Connection, batch: &mut [Box<dyn Job>]) -> bool {
     let mut first_live = 0;
     for i in 0..batch.len() {
         let job = &mut batch[i];
+        if !job.begin() {
+            continue;
+        }
         let ok = in_savepoint(conn, |c| if job.run(c) { Ok(()) } else { Err(()) });
         if !ok && conn.is_autocommit() {
             // SQLite rolled the whole transaction back (it may, on I/O or disk-full errors):
@@ -625,6 +783,7 @@ fn run_batch(conn: &Connection, batch: &mut [Box<dyn Job>]) -> bool {
             }
         }
     }
+    stall.pass();
     match exec(conn, "COMMIT") {
         Ok(()) => true,
         Err(e) => {
@@ -1578,15 +1737,7 @@ mod tests {
         d.await.unwrap().unwrap();
         // The holder's batch, then one batch for the four.
         assert_eq!(store.commits() - before, 2);
-        let conn = store.reader.lock().unwrap();
-        let keys: Vec<String> = conn
-            .prepare("SELECT key FROM claims ORDER BY key")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
-        assert_eq!(keys, ["a", "d"]);
+        assert_eq!(claim_keys(&store), ["a", "d"]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1610,6 +1761,79 @@ mod tests {
         // The holder's own call may have timed out as well (its command ran either way).
         let _ = holder.await.unwrap();
         store.ping().await.unwrap();
+    }
+
+    fn claim_keys(store: &SqliteStore) -> Vec<String> {
+        let conn = store.reader.lock().unwrap();
+        conn.prepare("SELECT key FROM claims ORDER BY key")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    /// A caller that gives up on a write the writer had not started withdraws it: it never
+    /// runs. One the writer had started (here: run, its commit held) commits after its caller
+    /// gave up, so a retry finds it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_given_up_write_runs_only_if_it_had_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SqliteOptions {
+            timeout: Duration::from_millis(200),
+            ..SqliteOptions::default()
+        };
+        let store =
+            Arc::new(SqliteStore::open_with(&dir.path().join("cb.db"), 60, options).unwrap());
+        let stall = store.stall_commits();
+        let (ran, has_run) = oneshot::channel();
+        let started = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move {
+                store
+                    .write(None, move |conn| {
+                        let _ = ran.send(());
+                        insert_claim("started")(conn)
+                    })
+                    .await
+            }
+        });
+        has_run.await.unwrap();
+        started.abort();
+        let _ = started.await;
+        // Queued behind the held commit, it cannot start before its caller's timeout.
+        let not_started = store.write(None, insert_claim("not-started")).await;
+        assert!(
+            matches!(&not_started, Err(StoreError::Unavailable(m)) if m.contains("withdrawn")),
+            "{not_started:?}"
+        );
+        drop(stall);
+        store.ping().await.unwrap();
+        assert_eq!(claim_keys(&store), ["started"]);
+    }
+
+    /// A caller whose future is dropped (a client that hung up) withdraws its queued write.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_caller_withdraws_its_queued_write() {
+        let (_dir, store) = open();
+        let store = Arc::new(store);
+        let stall = store.stall_commits();
+        let first = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move { store.write(None, insert_claim("first")).await }
+        });
+        stall.holding().await;
+        let dropped = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move { store.write(None, insert_claim("dropped")).await }
+        });
+        until_queued(&store, 1).await;
+        dropped.abort();
+        assert!(dropped.await.unwrap_err().is_cancelled());
+        drop(stall);
+        first.await.unwrap().unwrap();
+        store.ping().await.unwrap();
+        assert_eq!(claim_keys(&store), ["first"]);
     }
 
     #[tokio::test]
