@@ -174,6 +174,46 @@ async fn redis_down_means_503_and_nothing_burned() {
     assert_eq!(ready.status(), 200);
 }
 
+/// A Redis that hangs rather than refuses: the script reaches Redis, the request times out
+/// (`store.timeout_ms`) and gets 503, and Redis runs the script once it goes on. The write
+/// lands after the 503, so the provider's retry is answered as a replay: recorded once, not
+/// lost, not doubled.
+#[tokio::test]
+async fn a_paused_redis_answers_503_and_the_retry_replays_the_late_write() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    // A first accept loads the script into Redis, as on any server that has taken traffic.
+    let warm = BODY.replace("tx:1", "tx:warm");
+    assert_eq!(
+        server.post_callback("payzu", &warm, None).await.status(),
+        200
+    );
+    assert_eq!(message_keys(&redis), 1);
+
+    redis.pause();
+    let down = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(down.status(), 503);
+    assert_eq!(down.headers()["retry-after"], "1");
+    assert_eq!(
+        down.json::<serde_json::Value>().await.unwrap()["error"],
+        "store_unavailable"
+    );
+    redis.resume();
+    support::eventually(10, "the write sent before the 503 lands", || async {
+        (message_keys(&redis) == 2).then_some(())
+    })
+    .await;
+
+    let again = server.post_callback("payzu", BODY, None).await;
+    assert_eq!(again.status(), 200);
+    assert_eq!(
+        again.headers()["idempotent-replayed"],
+        "true",
+        "the retry finds the late write"
+    );
+    assert_eq!(message_keys(&redis), 2, "recorded once");
+}
+
 #[tokio::test]
 async fn forged_request_does_not_block_the_real_one() {
     let redis = RedisServer::start();

@@ -243,3 +243,78 @@ async fn a_full_disk_answers_503_and_records_nothing() {
     assert!(accepted.headers().get("idempotent-replayed").is_none());
     shutdown.cancel();
 }
+
+/// A disk whose fsync hangs past `store.timeout_ms`: every caller waiting gets 503. A write
+/// the writer had not started is withdrawn (its retry is a first arrival); one it had started
+/// may commit after the 503 (its retry is then a replay). Either way each callback is
+/// recorded exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_disk_answers_503_and_no_retry_is_lost_or_doubled() {
+    use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
+    use callbackd::store::{ListFilter, Store};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::config(
+        &format!("sqlite://{}", dir.path().join("cb.db").display()),
+        None,
+    );
+    let options = SqliteOptions {
+        timeout: Duration::from_millis(500),
+        ..SqliteOptions::default()
+    };
+    let store = Arc::new(SqliteStore::open_with(&dir.path().join("cb.db"), 3600, options).unwrap());
+    let app = Arc::new(
+        callbackd::app::App::new(cfg, store.clone(), Arc::new(callbackd::clock::SystemClock))
+            .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(callbackd::serve(app, listener, shutdown.clone()));
+    let client = reqwest::Client::new();
+    let send = |tx: &str| {
+        client
+            .post(format!("{base}/v1/callbacks/open"))
+            .body(format!(r#"{{"id":"{tx}","status":"COMPLETED"}}"#))
+            .send()
+    };
+    let refused = |r: reqwest::Response| async move {
+        assert_eq!(r.status(), 503);
+        assert!(r.headers().contains_key("retry-after"));
+        let err: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(err["error"], "store_unavailable");
+    };
+
+    let stall = store.stall_commits();
+    // tx-run: the writer runs it, then its commit hangs.
+    let run = tokio::spawn(send("tx-run"));
+    stall.holding().await;
+    // tx-queued: waits behind the hung commit; its caller gives up before it starts.
+    refused(send("tx-queued").await.unwrap()).await;
+    refused(run.await.unwrap().unwrap()).await;
+    drop(stall);
+
+    let queued = send("tx-queued").await.unwrap();
+    assert_eq!(queued.status(), 200);
+    assert!(
+        queued.headers().get("idempotent-replayed").is_none(),
+        "withdrawn before it ran: the retry is a first arrival"
+    );
+    let run = send("tx-run").await.unwrap();
+    assert_eq!(run.status(), 200, "accepted or replayed");
+
+    let all = store
+        .list(&ListFilter {
+            limit: 100,
+            ..ListFilter::default()
+        })
+        .await
+        .unwrap();
+    let mut recorded: Vec<String> = all
+        .messages
+        .iter()
+        .map(|r| r.message.transaction_id.clone().unwrap_or_default())
+        .collect();
+    recorded.sort();
+    assert_eq!(recorded, ["tx-queued", "tx-run"], "each recorded once");
+    shutdown.cancel();
+}

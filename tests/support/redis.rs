@@ -91,6 +91,26 @@ impl RedisServer {
         }
     }
 
+    /// SIGSTOP: the server keeps its connections but answers nothing (a hung Redis).
+    pub fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// SIGCONT after [`RedisServer::pause`]: it goes on with what is in its socket buffers.
+    pub fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("redis is running").id();
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .expect("kill on PATH");
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+
     pub fn start_again(&mut self) {
         assert!(self.child.is_none(), "already running");
         self.spawn();
