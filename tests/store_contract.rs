@@ -2058,29 +2058,48 @@ mod sqlite_only {
         );
     }
 
-    /// Many writers at once: every accept commits (group commit is unit-tested in sqlite.rs).
+    /// Group commit: accepts that queue while a commit is in progress all go into the next
+    /// transaction together, one fsync for all of them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn many_concurrent_accepts_all_commit() {
+    async fn accepts_queued_behind_a_commit_share_the_next_one() {
         let (_dir, path) = fresh();
-        let s = std::sync::Arc::new(SqliteStore::open(&path, RETENTION_SECS).unwrap());
-        let before = s.commits();
-        let mut tasks = tokio::task::JoinSet::new();
-        for i in 0..200 {
+        let options = SqliteOptions {
+            timeout: Duration::from_secs(60),
+            ..SqliteOptions::default()
+        };
+        let s =
+            std::sync::Arc::new(SqliteStore::open_with(&path, RETENTION_SECS, options).unwrap());
+        let accept = |i: i64| {
             let s = std::sync::Arc::clone(&s);
-            tasks.spawn(async move {
+            async move {
                 let now = T0 + i;
                 s.accept(
                     request(&format!("k{i}"), new_message(&format!("o{i}"), now)),
                     now,
                 )
                 .await
-            });
+            }
+        };
+        let before = s.commits();
+        let stall = s.stall_commits();
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(accept(0));
+        stall.holding().await;
+        for i in 1..200 {
+            tasks.spawn(accept(i));
         }
+        while s.queued() < 199 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(stall);
         while let Some(outcome) = tasks.join_next().await {
             assert_eq!(outcome.unwrap().unwrap(), AcceptOutcome::Accepted);
         }
-        let commits = s.commits() - before;
-        assert!((1..=200).contains(&commits), "{commits}");
+        assert_eq!(
+            s.commits() - before,
+            2,
+            "the first accept's commit, then one for the 199 that queued behind it"
+        );
         let all = list_all(
             &*s,
             ListFilter {
