@@ -134,6 +134,9 @@ pub struct DispatchConfig {
     pub per_host_concurrency: usize,
     /// How long a claimed message stays leased; must exceed `request_timeout_ms` with margin.
     pub lease_secs: u64,
+    /// SSRF guard for connectors' `callbackUrl`s: true lets them reach loopback, private and
+    /// other internal addresses. A source's `forward_url` has its own switch
+    /// (`sources.<name>.allow_private_forward_url`): config is trusted, hand-offs less so.
     pub allow_private_networks: bool,
     /// Set to false to run an ingest-only process (the queue is served by other processes).
     pub enabled: bool,
@@ -205,6 +208,11 @@ pub struct SourceConfig {
     pub tolerance_secs: u64,
     #[serde(default)]
     pub forward_url: Option<String>,
+    /// Lets `forward_url` reach loopback, private and other internal addresses (a merchant
+    /// handler on the internal network). Off, such a target is refused at start-up when it
+    /// is a literal address, and at every delivery on the addresses its name resolves to.
+    #[serde(default)]
+    pub allow_private_forward_url: bool,
     #[serde(default)]
     pub forward_headers: BTreeMap<String, String>,
     #[serde(default)]
@@ -507,6 +515,22 @@ impl SourceConfig {
             if !matches!(parsed.scheme(), "http" | "https") {
                 return Err(invalid(key("forward_url"), "must be http:// or https://"));
             }
+            let literal = parsed
+                .host_str()
+                .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+                .and_then(|h| h.parse::<std::net::IpAddr>().ok());
+            if !self.allow_private_forward_url
+                && literal.is_some_and(crate::dispatch::ssrf::is_forbidden)
+            {
+                return Err(invalid(
+                    key("forward_url"),
+                    format!(
+                        "is a loopback, private or reserved address, which the SSRF guard \
+                         refuses; set {} = true if the merchant's handler is internal",
+                        key("allow_private_forward_url")
+                    ),
+                ));
+            }
         }
         for header in self.forward_headers.keys() {
             if axum::http::HeaderName::from_bytes(header.as_bytes()).is_err() {
@@ -684,6 +708,14 @@ mod tests {
                 "[sources.p]\nsignature = \"rot13\"\n",
                 "sources.p.signature",
             ),
+            (
+                "[sources.p]\nsignature = \"none\"\nforward_url = \"http://10.1.2.3/hook\"\n",
+                "sources.p.allow_private_forward_url",
+            ),
+            (
+                "[sources.p]\nsignature = \"none\"\nforward_url = \"http://[::1]:9/hook\"\n",
+                "sources.p.forward_url",
+            ),
         ];
         for (text, key) in cases {
             let err = load(text, &[]).unwrap_err().to_string();
@@ -822,5 +854,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("auth.connector_tokens[0]"), "{err}");
+    }
+
+    #[test]
+    fn private_forward_urls_need_their_own_switch() {
+        let internal =
+            "[sources.p]\nsignature = \"none\"\nforward_url = \"http://10.1.2.3/hook\"\n";
+        // The callbackUrl switch does not open forward_url.
+        let with_dispatch_switch = format!("[dispatch]\nallow_private_networks = true\n{internal}");
+        assert!(load(&with_dispatch_switch, &[]).is_err());
+        let allowed = format!("{internal}allow_private_forward_url = true\n");
+        let c = load(&allowed, &[]).unwrap();
+        assert!(c.sources["p"].allow_private_forward_url);
+        assert!(!c.dispatch.allow_private_networks);
+        // A public address, or a name (checked at delivery, where DNS answers), is fine.
+        for url in [
+            "https://93.184.215.14/hook",
+            "https://merchant.example.com/hook",
+        ] {
+            let text = format!("[sources.p]\nsignature = \"none\"\nforward_url = \"{url}\"\n");
+            assert!(load(&text, &[]).is_ok(), "{url}");
+        }
     }
 }

@@ -260,7 +260,7 @@ fn reconcile(ledger: &Ledger, sink: &ChaosSink) -> Report {
 async fn run_chaos(store_url: &str, processes: usize, mut redis: Option<RedisServer>, name: &str) {
     let sink = ChaosSink::start().await;
     let source = format!(
-        "[sources.open]\nsignature = \"none\"\nforward_url = \"{}\"\n",
+        "[sources.open]\nsignature = \"none\"\nforward_url = \"{}\"\nallow_private_forward_url = true\n",
         sink.url
     );
     let mut procs: Vec<Process> = (0..processes)

@@ -1094,6 +1094,7 @@ level = "debug"
 secrets = ["{}"]
 signature = "payzu"
 forward_url = "{}/fwd"
+allow_private_forward_url = true
 forward_headers = {{ Authorization = "Bearer merchant-forward-secret" }}
 forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 "#,

@@ -286,10 +286,14 @@ async fn ssrf_targets_are_refused_at_handoff() {
         let r = server.notify(&handoff("p-ssrf", "approved", url)).await;
         assert_eq!(r.status(), 400, "{url}");
         let err: Value = r.json().await.unwrap();
-        assert!(
-            err["message"].as_str().unwrap().contains("callbackUrl"),
-            "{err}"
-        );
+        let message = err["message"].as_str().unwrap();
+        assert!(message.contains("callbackUrl"), "{err}");
+        if url.contains("localhost") {
+            // What the name resolved to stays inside: no map of the internal network.
+            for resolved in ["127.0.0.1", "::1"] {
+                assert!(!message.contains(resolved), "{message}");
+            }
+        }
     }
     assert_eq!(
         server
@@ -310,6 +314,141 @@ async fn attempts_recorded(server: &TestServer, id: &str, n: usize) -> MessageRe
         (deliveries == n && rec.state != MessageState::InFlight).then_some(rec)
     })
     .await
+}
+
+fn port_of(url: &str) -> u16 {
+    url.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// The SSRF guard at delivery: a `forward_url` naming `localhost` (resolved by the delivery
+/// client's resolver) or a loopback literal is refused at every attempt, recorded as
+/// `refused_address`, and the receiver sees nothing.
+#[tokio::test]
+async fn private_forward_urls_are_refused_at_delivery() {
+    let redis = RedisServer::start();
+    let sink = Sink::ok().await;
+    let port = port_of(&sink.url);
+    let mut cfg = config(
+        &redis.url(),
+        Some(&format!("http://localhost:{port}/events")),
+    );
+    cfg.dispatch.allow_private_networks = false;
+    cfg.sources
+        .get_mut("payzu")
+        .unwrap()
+        .allow_private_forward_url = false;
+    // Set past validation, which refuses a literal internal forward_url at start-up.
+    cfg.sources.get_mut("open").unwrap().forward_url =
+        Some(format!("http://127.0.0.1:{port}/open"));
+    let server = TestServer::start(cfg).await;
+    let by_name = server
+        .post_callback("payzu", r#"{"id":"tx-ssrf","status":"PAID"}"#, None)
+        .await;
+    assert_eq!(by_name.status(), 200);
+    let literal = server
+        .client
+        .post(format!("{}/v1/callbacks/open", server.url))
+        .body(r#"{"id":"tx-ssrf","status":"PAID"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(literal.status(), 200);
+    for answer in [by_name, literal] {
+        let id = answer.json::<Value>().await.unwrap()["messageId"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let rec = attempts_recorded(&server, &id, 1).await;
+        assert_eq!(
+            rec.history[0].error.as_deref(),
+            Some("refused_address"),
+            "{:?}",
+            rec.message.target_url
+        );
+        assert_eq!(rec.history[0].status, None);
+    }
+    assert_eq!(sink.count(), 0, "nothing reached the internal address");
+}
+
+/// A `callbackUrl` that passed the hand-off check (here: taken by an ingest-only process
+/// that allows private targets, as a name that resolved publicly at hand-off would pass) is
+/// checked again at delivery on what the name resolves to then.
+#[tokio::test]
+async fn a_name_that_passed_at_handoff_is_refused_at_delivery() {
+    let redis = RedisServer::start();
+    let sink = Sink::ok().await;
+    let mut ingest_cfg = config(&redis.url(), None);
+    ingest_cfg.dispatch.enabled = false;
+    let ingest = TestServer::start(ingest_cfg).await;
+    let mut worker_cfg = config(&redis.url(), None);
+    worker_cfg.dispatch.allow_private_networks = false;
+    let worker = TestServer::start(worker_cfg).await;
+    let url = format!("http://localhost:{}/cb", port_of(&sink.url));
+    let id = ingest
+        .hand_off_id(&handoff("p-rebind", "approved", &url))
+        .await;
+    let rec = attempts_recorded(&worker, &id, 1).await;
+    assert_eq!(rec.history[0].error.as_deref(), Some("refused_address"));
+    assert_eq!(rec.state, MessageState::Pending, "retried, never delivered");
+    assert_eq!(sink.count(), 0);
+}
+
+/// `dispatch.allow_private_networks` opens connectors' `callbackUrl`s only; a source's
+/// `forward_url` has its own switch, `sources.<name>.allow_private_forward_url`.
+#[tokio::test]
+async fn callback_urls_and_forward_urls_have_separate_switches() {
+    let redis = RedisServer::start();
+    let sink = Sink::ok().await;
+    let forward = format!("{}/fwd", sink.url);
+    let body = r#"{"id":"tx-sep","status":"PAID"}"#;
+
+    // Private callbackUrls allowed, private forwards not.
+    let mut cfg = config(&redis.url(), Some(&forward));
+    cfg.sources
+        .get_mut("payzu")
+        .unwrap()
+        .allow_private_forward_url = false;
+    let server = TestServer::start(cfg).await;
+    let handed = server
+        .hand_off_id(&handoff("p-sep", "approved", &format!("{}/cb", sink.url)))
+        .await;
+    let answer: Value = server
+        .post_callback("payzu", body, None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let forwarded = answer["messageId"].as_str().unwrap();
+    assert_eq!(
+        attempts_recorded(&server, &handed, 1).await.state,
+        MessageState::Delivered
+    );
+    let rec = attempts_recorded(&server, forwarded, 1).await;
+    assert_eq!(rec.history[0].error.as_deref(), Some("refused_address"));
+    server.stop().await;
+
+    // Private forwards allowed, private callbackUrls not (a store of its own, so this
+    // server does not deliver the first one's queue).
+    let redis = RedisServer::start();
+    let mut cfg = config(&redis.url(), Some(&forward));
+    cfg.dispatch.allow_private_networks = false;
+    let server = TestServer::start(cfg).await;
+    let r = server
+        .notify(&handoff("p-sep2", "approved", &format!("{}/cb", sink.url)))
+        .await;
+    assert_eq!(r.status(), 400);
+    let other = body.replace("tx-sep", "tx-sep2");
+    let answer: Value = server
+        .post_callback("payzu", &other, None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let rec = attempts_recorded(&server, answer["messageId"].as_str().unwrap(), 1).await;
+    assert_eq!(rec.state, MessageState::Delivered);
+
+    let paths: Vec<String> = sink.received().iter().map(|r| r.uri.clone()).collect();
+    assert_eq!(paths, ["/cb", "/fwd"]);
 }
 
 /// The real dispatcher loop on a virtual clock: a retry can only happen once the test moves

@@ -14,7 +14,8 @@ use support::sink::{Reply, Sink};
 
 fn source_table(sink: &Sink) -> String {
     format!(
-        "[sources.open]\nsignature = \"none\"\nforward_url = \"{}/events\"\n",
+        "[sources.open]\nsignature = \"none\"\nforward_url = \"{}/events\"\n\
+         allow_private_forward_url = true\n",
         sink.url
     )
 }

@@ -25,7 +25,7 @@ use crate::clock::{Clock, format_delay, format_iso};
 use crate::config::{Config, DispatchConfig};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
-use crate::store::{Attempt, Claimed, Millis, Store};
+use crate::store::{Attempt, Claimed, MessageKind, Millis, Store};
 use delivery::{AttemptResult, Verdict};
 use schedule::Backoff;
 
@@ -48,15 +48,21 @@ const MAX_TRACKED_HOSTS: usize = 10_000;
 struct SourceDelivery {
     headers: BTreeMap<String, String>,
     signing_secret: Option<Vec<u8>>,
+    /// `sources.<name>.allow_private_forward_url`.
+    allow_private: bool,
 }
 
 pub struct Dispatcher {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
-    client: reqwest::Client,
+    /// The SSRF guard is in each client's resolver: one refuses internal addresses, the other
+    /// lets a target that is allowed them through. Each message picks by its kind and source.
+    guarded: reqwest::Client,
+    open: reqwest::Client,
     backoff: Backoff,
     lease_ms: u64,
-    allow_private: bool,
+    /// `dispatch.allow_private_networks`: whether `callbackUrl`s may be internal.
+    allow_private_callbacks: bool,
     per_host: usize,
     permits: Arc<Semaphore>,
     hosts: Mutex<HashMap<String, Arc<Semaphore>>>,
@@ -78,22 +84,22 @@ impl Dispatcher {
         wake: Arc<Notify>,
     ) -> Result<Dispatcher, reqwest::Error> {
         let d: &DispatchConfig = &config.dispatch;
-        let guard = ssrf::SsrfGuard {
-            allow_private: d.allow_private_networks,
-        };
         let timeout = Duration::from_millis(d.request_timeout_ms);
-        let client = reqwest::Client::builder()
-            // reqwest honours HTTP(S)_PROXY / ALL_PROXY by default: the guard would then vet
-            // the proxy's address, and the proxy would resolve the target's name unchecked.
-            .no_proxy()
-            .timeout(timeout)
-            .connect_timeout(timeout.min(Duration::from_secs(5)))
-            .redirect(reqwest::redirect::Policy::none())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(d.per_host_concurrency)
-            .dns_resolver(guard.resolver())
-            .user_agent(concat!("callbackd/", env!("CARGO_PKG_VERSION")))
-            .build()?;
+        let client = |allow_private: bool| {
+            reqwest::Client::builder()
+                // reqwest honours HTTP(S)_PROXY / ALL_PROXY by default: the guard would then
+                // vet the proxy's address, and the proxy would resolve the target's name
+                // unchecked.
+                .no_proxy()
+                .timeout(timeout)
+                .connect_timeout(timeout.min(Duration::from_secs(5)))
+                .redirect(reqwest::redirect::Policy::none())
+                .pool_idle_timeout(Duration::from_secs(60))
+                .pool_max_idle_per_host(d.per_host_concurrency)
+                .dns_resolver(ssrf::SsrfGuard { allow_private }.resolver())
+                .user_agent(concat!("callbackd/", env!("CARGO_PKG_VERSION")))
+                .build()
+        };
         let sources = config
             .sources
             .iter()
@@ -107,6 +113,7 @@ impl Dispatcher {
                     SourceDelivery {
                         headers: s.forward_headers.clone(),
                         signing_secret,
+                        allow_private: s.allow_private_forward_url,
                     },
                 )
             })
@@ -114,13 +121,14 @@ impl Dispatcher {
         Ok(Dispatcher {
             store,
             clock,
-            client,
+            guarded: client(false)?,
+            open: client(true)?,
             backoff: Backoff {
                 initial_ms: d.initial_backoff_ms,
                 max_ms: d.max_backoff_secs.saturating_mul(1000),
             },
             lease_ms: d.lease_secs.saturating_mul(1000),
-            allow_private: d.allow_private_networks,
+            allow_private_callbacks: d.allow_private_networks,
             per_host: d.per_host_concurrency,
             permits: Arc::new(Semaphore::new(d.concurrency)),
             hosts: Mutex::new(HashMap::new()),
@@ -296,6 +304,7 @@ impl Dispatcher {
             Some(alerts) if is_alert(&c.message) => SourceDelivery {
                 headers: BTreeMap::new(),
                 signing_secret: Some(alerts.secret().to_vec()),
+                ..SourceDelivery::default()
             },
             _ => c
                 .message
@@ -312,15 +321,20 @@ impl Dispatcher {
             source.signing_secret.as_deref(),
             self.clock.now_secs(),
         );
+        // Notifications (and alerts, which are recorded as notifications) go by
+        // `dispatch.allow_private_networks`; a source's forwards by its own switch.
+        let allow_private = match c.message.kind {
+            MessageKind::Notification => self.allow_private_callbacks,
+            MessageKind::Inbound => source.allow_private,
+        };
+        let client = if allow_private {
+            &self.open
+        } else {
+            &self.guarded
+        };
         let started = Instant::now();
-        let result = delivery::send(
-            &self.client,
-            &url,
-            headers,
-            c.message.body.clone(),
-            self.allow_private,
-        )
-        .await;
+        let result =
+            delivery::send(client, &url, headers, c.message.body.clone(), allow_private).await;
         let latency = started.elapsed();
         let now = self.clock.now_ms();
         let verdict = delivery::classify(&result, self.backoff, &c, now, rand::random::<f64>());

@@ -1,8 +1,10 @@
 //! SSRF guard: a `callbackUrl` comes from a connector and a `forward_url` from config, and
 //! neither may make callbackd call into its own network (loopback, private ranges, link-local,
-//! the cloud metadata address). Checked at hand-off (a clear 400) and again at delivery, on
-//! the addresses DNS actually returned, through the HTTP client's resolver: a name that
-//! resolved to a public address at hand-off and to 127.0.0.1 later is still refused.
+//! the cloud metadata address, reserved and special-purpose ranges). Checked at hand-off (a
+//! clear 400) and again at delivery, on the addresses DNS actually returned, through the HTTP
+//! client's resolver: a name that resolved to a public address at hand-off and to 127.0.0.1
+//! later is still refused. `dispatch.allow_private_networks` opens it for `callbackUrl`s,
+//! `sources.<name>.allow_private_forward_url` for one source's `forward_url`.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
@@ -15,7 +17,12 @@ use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 pub enum SsrfError {
     #[error("`{0}` is not an absolute http(s) URL")]
     BadUrl(String),
-    #[error("{host} resolves to {addr}, a private, loopback or link-local address")]
+    /// The address is kept for logs; the message never shows it, so a caller cannot map the
+    /// internal network through callbackd's resolver.
+    #[error(
+        "`{host}` is, or resolves to, a loopback, private, link-local or reserved address, \
+         which callbackd does not call"
+    )]
     Forbidden { host: String, addr: IpAddr },
 }
 
@@ -29,34 +36,43 @@ pub fn is_forbidden(ip: IpAddr) -> bool {
     }
 }
 
+/// Every IPv4 range of the IANA special-purpose registry that is not globally reachable,
+/// plus multicast and the 6to4 relay anycast block.
 fn is_forbidden_v4(ip: Ipv4Addr) -> bool {
     let [a, b, c, _] = ip.octets();
-    ip.is_loopback()
-        || ip.is_private()
-        || ip.is_link_local()
+    ip.is_loopback() // 127.0.0.0/8
+        || ip.is_private() // 10/8, 172.16/12, 192.168/16
+        || ip.is_link_local() // 169.254/16, incl. the 169.254.169.254 metadata address
         || ip.is_unspecified()
         || ip.is_broadcast()
-        || ip.is_multicast()
-        || ip.is_documentation()
-        || a == 0
-        || (a == 100 && (64..128).contains(&b)) // carrier-grade NAT
-        || (a == 192 && b == 0 && c == 0) // IETF protocol assignments
-        || (a == 198 && (b == 18 || b == 19)) // benchmarking
-        || a >= 240 // reserved
+        || ip.is_multicast() // 224/4
+        || ip.is_documentation() // 192.0.2/24, 198.51.100/24, 203.0.113/24
+        || a == 0 // "this network", 0/8
+        || (a == 100 && (64..128).contains(&b)) // carrier-grade NAT, 100.64/10
+        || (a == 192 && b == 0 && c == 0) // IETF protocol assignments, 192.0.0/24
+        || (a == 192 && b == 88 && c == 99) // 6to4 relay anycast, 192.88.99/24
+        || (a == 198 && (b == 18 || b == 19)) // benchmarking, 198.18/15
+        || a >= 240 // reserved, 240/4
 }
 
 fn is_forbidden_v6(ip: Ipv6Addr) -> bool {
     if let Some(v4) = embedded_v4(ip) {
         return is_forbidden_v4(v4);
     }
-    let first = ip.segments()[0];
+    let s = ip.segments();
     ip.is_loopback()
         || ip.is_unspecified()
-        || ip.is_multicast()
-        || (first & 0xfe00) == 0xfc00 // unique local (incl. fd00:ec2::254 metadata)
-        || (first & 0xffc0) == 0xfe80 // link-local
-        || (first & 0xffc0) == 0xfec0 // site-local (deprecated, still routable inside)
-        || (first == 0x2001 && ip.segments()[1] == 0x0db8) // documentation
+        || ip.is_multicast() // ff00::/8
+        || (s[0] & 0xfe00) == 0xfc00 // unique local, fc00::/7 (incl. fd00:ec2::254 metadata)
+        || (s[0] & 0xffc0) == 0xfe80 // link-local, fe80::/10
+        || (s[0] & 0xffc0) == 0xfec0 // site-local, fec0::/10 (deprecated, still routable inside)
+        || (s[0] == 0x2001 && s[1] == 0x0db8) // documentation, 2001:db8::/32
+        || (s[0] == 0x3fff && s[1] < 0x1000) // documentation, 3fff::/20
+        || (s[0] == 0x2001 && s[1] < 0x0200) // IETF protocol assignments, 2001::/23 (Teredo, ORCHID, benchmarking)
+        || s[0] == 0x2002 // 6to4, 2002::/16: reaches an IPv4 address through a relay
+        || (s[0] == 0x0100 && s[1..4] == [0, 0, 0]) // discard-only, 100::/64
+        || (s[0] == 0x0064 && s[1] == 0xff9b && s[2] == 0x0001) // local-use NAT64, 64:ff9b:1::/48
+        || s[0] == 0x5f00 // segment routing SIDs, 5f00::/16
 }
 
 /// IPv4 hidden in IPv6: mapped (`::ffff:a.b.c.d`), compatible (`::a.b.c.d`) and NAT64
@@ -151,40 +167,90 @@ impl Resolve for GuardedResolver {
 mod tests {
     use super::*;
 
+    /// Each special-purpose range, by its first and last address, and the addresses just
+    /// outside it, which are public and must stay reachable.
     #[test]
     fn forbidden_ranges() {
-        for bad in [
-            "127.0.0.1",
-            "10.0.0.1",
-            "172.16.5.4",
-            "192.168.1.1",
-            "169.254.169.254",
-            "0.0.0.0",
-            "100.64.0.1",
-            "255.255.255.255",
-            "224.0.0.1",
-            "::1",
-            "::",
-            "fe80::1",
-            "fc00::1",
-            "fd00:ec2::254",
-            "::ffff:127.0.0.1",
-            "::ffff:10.0.0.1",
-            "::127.0.0.1",
-            "64:ff9b::a9fe:a9fe",
-            "ff02::1",
-        ] {
-            assert!(
-                is_forbidden(bad.parse().unwrap()),
-                "{bad} should be refused"
-            );
+        let refused = [
+            ("0.0.0.0", "0.255.255.255"),
+            ("10.0.0.0", "10.255.255.255"),
+            ("100.64.0.0", "100.127.255.255"),
+            ("127.0.0.0", "127.255.255.255"),
+            ("169.254.0.0", "169.254.255.255"),
+            ("172.16.0.0", "172.31.255.255"),
+            ("192.0.0.0", "192.0.0.255"),
+            ("192.0.2.0", "192.0.2.255"),
+            ("192.88.99.0", "192.88.99.255"),
+            ("192.168.0.0", "192.168.255.255"),
+            ("198.18.0.0", "198.19.255.255"),
+            ("198.51.100.0", "198.51.100.255"),
+            ("203.0.113.0", "203.0.113.255"),
+            ("224.0.0.0", "239.255.255.255"),
+            ("240.0.0.0", "255.255.255.255"),
+            ("::", "::"),
+            ("::1", "::1"),
+            ("::ffff:127.0.0.1", "::ffff:10.255.255.255"),
+            ("::127.0.0.1", "::169.254.169.254"),
+            ("64:ff9b::a9fe:a9fe", "64:ff9b::7f00:1"),
+            ("64:ff9b:1::", "64:ff9b:1:ffff:ffff:ffff:ffff:ffff"),
+            ("100::", "100::ffff:ffff:ffff:ffff"),
+            ("2001::", "2001:1ff:ffff:ffff:ffff:ffff:ffff:ffff"),
+            ("2001:db8::", "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff"),
+            ("2002::", "2002:ffff:ffff:ffff:ffff:ffff:ffff:ffff"),
+            ("3fff::", "3fff:fff:ffff:ffff:ffff:ffff:ffff:ffff"),
+            ("5f00::", "5f00:ffff:ffff:ffff:ffff:ffff:ffff:ffff"),
+            ("fc00::", "fdff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"),
+            ("fd00:ec2::254", "fd00:ec2::254"),
+            ("fe80::", "feff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"),
+            ("ff00::", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"),
+        ];
+        for (first, last) in refused {
+            for bad in [first, last] {
+                assert!(
+                    is_forbidden(bad.parse().unwrap()),
+                    "{bad} should be refused"
+                );
+            }
         }
-        for good in [
+        let allowed = [
+            "1.0.0.0",
+            "9.255.255.255",
+            "11.0.0.0",
+            "100.63.255.255",
+            "100.128.0.0",
+            "126.255.255.255",
+            "128.0.0.0",
+            "169.253.255.255",
+            "169.255.0.0",
+            "172.15.255.255",
+            "172.32.0.0",
+            "192.0.1.0",
+            "192.0.3.0",
+            "192.88.98.255",
+            "192.88.100.0",
+            "192.167.255.255",
+            "192.169.0.0",
+            "198.17.255.255",
+            "198.20.0.0",
+            "198.51.99.255",
+            "203.0.112.255",
+            "223.255.255.255",
             "8.8.8.8",
-            "1.1.1.1",
-            "2606:4700:4700::1111",
             "::ffff:8.8.8.8",
-        ] {
+            "64:ff9b::808:808",
+            "2001:200::",
+            "2001:db7:ffff:ffff:ffff:ffff:ffff:ffff",
+            "2001:db9::",
+            "2003::",
+            "2606:4700:4700::1111",
+            "3ffe:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+            "3fff:1000::",
+            "4000::",
+            "5eff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+            "5f01::",
+            "fbff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        ];
+        for good in allowed {
             assert!(
                 !is_forbidden(good.parse().unwrap()),
                 "{good} should be allowed"
@@ -206,14 +272,21 @@ mod tests {
             "http://[::ffff:127.0.0.1]/cb",
             "http://localhost:9/cb",
         ] {
-            assert!(
-                matches!(
-                    guard.check_url(bad, t).await,
-                    Err(SsrfError::Forbidden { .. })
-                ),
-                "{bad}"
-            );
+            let err = guard.check_url(bad, t).await.unwrap_err();
+            assert!(matches!(err, SsrfError::Forbidden { .. }), "{bad}");
         }
+        // The message names the host it was given, never what the host resolved to.
+        let err = guard
+            .check_url("http://localhost:9/cb", t)
+            .await
+            .unwrap_err();
+        let SsrfError::Forbidden { addr, .. } = &err else {
+            panic!("{err}")
+        };
+        assert!(addr.is_loopback());
+        let message = err.to_string();
+        assert!(message.contains("`localhost`"), "{message}");
+        assert!(!message.contains(&addr.to_string()), "{message}");
         for bad in ["ftp://example.com/", "not a url", "/relative"] {
             assert!(
                 matches!(guard.check_url(bad, t).await, Err(SsrfError::BadUrl(_))),

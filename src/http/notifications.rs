@@ -23,6 +23,7 @@ use super::{raw_json, read_body};
 use crate::app::App;
 use crate::clock::format_iso;
 use crate::digest::short_hash;
+use crate::dispatch::ssrf::SsrfError;
 use crate::error::{ApiError, ErrorBody, ErrorCode};
 use crate::metrics as m;
 use crate::payment::{self, PaymentStatus};
@@ -243,7 +244,13 @@ async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus,
     app.ssrf
         .check_url(&req.callback_url, Duration::from_secs(2))
         .await
-        .map_err(|e| field_error("callbackUrl", e))?;
+        .map_err(|e| {
+            // The answer does not say what the host resolved to; the operator's log does.
+            if let SsrfError::Forbidden { host, addr } = &e {
+                tracing::info!(%host, %addr, "callbackUrl refused by the SSRF guard");
+            }
+            field_error("callbackUrl", e)
+        })?;
     if let Some(headers) = &req.headers {
         if headers.len() > MAX_HEADERS {
             return Err(field_error(

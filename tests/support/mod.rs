@@ -22,7 +22,7 @@ pub const PAYZU_SECRET: &str = "payzu-secret-1";
 /// A config for tests: fast retries, private addresses allowed (sinks are on 127.0.0.1).
 pub fn config(store_url: &str, forward_url: Option<&str>) -> Config {
     let forward = forward_url
-        .map(|u| format!("forward_url = \"{u}\""))
+        .map(|u| format!("forward_url = \"{u}\"\nallow_private_forward_url = true"))
         .unwrap_or_default();
     let text = format!(
         r#"
