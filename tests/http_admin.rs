@@ -6,10 +6,12 @@ mod support;
 use std::collections::HashSet;
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use callbackd::clock::Clock;
 use callbackd::dispatch::Dispatcher;
+use futures::StreamExt;
 use serde_json::{Value, json};
 use support::redis::RedisServer;
 use support::sink::{Reply, Sink};
@@ -705,6 +707,252 @@ async fn a_store_failure_part_way_is_recorded_and_never_resent_twice() {
     assert_eq!(serde_json::from_str::<Value>(&again).unwrap(), answer);
     shutdown.cancel();
     let _ = serving.await;
+}
+
+/// A resend of a finished message (delivered, or dead) while a later message of the same
+/// payment is pending: it is delivered after that one, never before it.
+#[tokio::test]
+async fn a_resent_finished_message_queues_behind_a_pending_one_of_its_key() {
+    let redis = RedisServer::start();
+    let (server, clock, d) = virtual_server(&redis.url(), |_| {}).await;
+    let up = Arc::new(AtomicBool::new(false));
+    // `settled` fails until `up`; `approved` is delivered on /ok and gone (410) on /gone.
+    let sink = Sink::start({
+        let up = up.clone();
+        move |req, _| {
+            let up = up.load(Ordering::SeqCst);
+            let status = req.json()["status"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            Reply::status(match (status.as_str(), req.uri.as_str()) {
+                ("settled", _) if !up => 503,
+                ("approved", "/gone") if !up => 410,
+                _ => 204,
+            })
+        }
+    })
+    .await;
+    let mut finished = Vec::new();
+    for (payment, path) in [("p-delivered", "/ok"), ("p-dead", "/gone")] {
+        let url = format!("{}{path}", sink.url);
+        let approved = server
+            .hand_off_id(&handoff(payment, "approved", &url))
+            .await;
+        d.tick().await;
+        server.hand_off_id(&handoff(payment, "settled", &url)).await;
+        d.tick().await;
+        finished.push(approved);
+    }
+    assert_eq!(view(&server, &finished[0]).await["state"], "delivered");
+    assert_eq!(view(&server, &finished[1]).await["state"], "dead");
+    let before = sink.count();
+    assert_eq!(before, 4, "two approved, two failed settled");
+
+    let r: Value = server
+        .admin_post("/v1/admin/resend", &json!({"messageIds": finished}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["resent"], 2);
+    // Due now, but behind `settled`, whose retry is not due yet: nothing is sent.
+    d.tick().await;
+    assert_eq!(sink.count(), before, "the resends wait for settled");
+    for id in &finished {
+        assert_eq!(view(&server, id).await["state"], "pending");
+    }
+
+    up.store(true, Ordering::SeqCst);
+    let next = server
+        .app
+        .store
+        .list(&callbackd::store::ListFilter {
+            state: Some(callbackd::store::MessageState::Pending),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .messages
+        .iter()
+        .filter_map(|m| m.next_attempt_at)
+        .max()
+        .expect("settled is scheduled");
+    clock.set(next);
+    d.tick().await;
+    for path in ["/ok", "/gone"] {
+        let statuses: Vec<String> = sink
+            .received()
+            .iter()
+            .filter(|r| r.uri == path)
+            .map(|r| r.json()["status"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            statuses,
+            ["approved", "settled", "settled", "approved"],
+            "{path}: the resent approved after settled"
+        );
+    }
+    for id in &finished {
+        assert_eq!(view(&server, id).await["state"], "delivered");
+    }
+}
+
+/// One resend request resends at most 10,000 messages and says `more`; the rest of the
+/// selection is reached by narrowing the window.
+#[tokio::test]
+async fn a_resend_stops_at_ten_thousand_and_says_more() {
+    use callbackd::store::{AcceptRequest, Claim, MessageId, MessageKind, NewMessage};
+    const CAP: usize = 10_000;
+    let redis = RedisServer::start_with("no");
+    let (server, clock, _d) = virtual_server(&redis.url(), |_| {}).await;
+    let t0 = clock.now_ms();
+    // Recorded through the store directly: 10,001 hand-offs over HTTP would only be slower.
+    let store = server.app.store.clone();
+    let accepts = (0..=CAP as i64).map(|i| {
+        let store = store.clone();
+        async move {
+            let payment = format!("cap-{i}");
+            let ordering_key = callbackd::payment::ordering_key(&payment);
+            let id = MessageId::generate(t0 + i, &ordering_key);
+            let message = NewMessage {
+                id: id.clone(),
+                kind: MessageKind::Notification,
+                source: None,
+                payment_id: Some(payment.clone()),
+                transaction_id: None,
+                ordering_key,
+                event: None,
+                target_url: Some("http://127.0.0.1:9/cb".into()),
+                headers: Default::default(),
+                body: "{}".into(),
+                created_at: t0 + i,
+                deadline: t0 + i + 3_600_000,
+            };
+            let request = AcceptRequest {
+                claim: Claim {
+                    key: format!("cap-{i}"),
+                    ttl_secs: 3600,
+                    fingerprint: String::new(),
+                    response: String::new(),
+                },
+                message,
+                payment: None,
+                seal: None,
+            };
+            store.accept(request, t0 + i).await.unwrap();
+            id
+        }
+    });
+    let ids: Vec<MessageId> = futures::stream::iter(accepts).buffered(64).collect().await;
+    clock.set(t0 + CAP as i64 + 1);
+
+    let from = callbackd::clock::format_iso(t0);
+    let r = server
+        .admin_post("/v1/admin/resend", &json!({"createdAtFrom": from}))
+        .await;
+    assert_eq!(r.status(), 200);
+    let r: Value = r.json().await.unwrap();
+    assert_eq!(r["resent"], CAP);
+    assert_eq!(r["more"], true);
+    let resent: Vec<&str> = r["messageIds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let oldest: Vec<String> = ids[..CAP].iter().map(|id| id.to_string()).collect();
+    assert_eq!(resent, oldest, "the oldest 10,000, in order");
+
+    // Narrowed to what is left: the last one, and nothing more.
+    let rest = callbackd::clock::format_iso(ids[CAP].created_at());
+    let r: Value = server
+        .admin_post("/v1/admin/resend", &json!({"createdAtFrom": rest}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["messageIds"], json!([ids[CAP].to_string()]));
+    assert_eq!(r["more"], false);
+}
+
+/// A `requestId` whose resend is still running gets 409 and resends nothing. The first
+/// request's reservation is held in a SQLite commit while the second one's queues behind it,
+/// so the second reads the reservation of a resend that has not finished, whatever the speed.
+#[tokio::test]
+async fn a_request_id_still_running_is_409() {
+    use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cb.db");
+    let cfg = config(&format!("sqlite://{}", path.display()), None);
+    // Long enough that no caller gives up while the test holds the commit.
+    let options = SqliteOptions {
+        timeout: Duration::from_secs(60),
+        ..SqliteOptions::default()
+    };
+    let store = Arc::new(SqliteStore::open_with(&path, 3600, options).unwrap());
+    let app = Arc::new(
+        callbackd::app::App::new(cfg, store.clone(), Arc::new(callbackd::clock::SystemClock))
+            .unwrap(),
+    );
+    // The router alone: no dispatcher or sweeper writing to the store meanwhile.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, callbackd::http::router(app)).await });
+    let client = reqwest::Client::new();
+    let answer: Value = client
+        .post(format!("{base}/v1/notifications"))
+        .bearer_auth(CONNECTOR_TOKEN)
+        .json(&handoff("r-busy", "approved", "http://127.0.0.1:9/cb"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = answer["notificationId"].as_str().unwrap().to_string();
+    let body = json!({"messageIds": [id], "requestId": "op-busy"});
+    let resend = || {
+        client
+            .post(format!("{base}/v1/admin/resend"))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&body)
+            .send()
+    };
+
+    let stall = store.stall_commits();
+    let first = tokio::spawn(resend());
+    stall.holding().await;
+    let second = tokio::spawn(resend());
+    while store.queued() < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(stall);
+
+    let second = second.await.unwrap().unwrap();
+    assert_eq!(second.status(), 409);
+    assert_eq!(
+        second.json::<Value>().await.unwrap()["error"],
+        "in_progress"
+    );
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), 200);
+    let first = first.text().await.unwrap();
+    assert_eq!(
+        serde_json::from_str::<Value>(&first).unwrap()["messageIds"],
+        json!([id])
+    );
+    assert_eq!(
+        marks_of(&*store, &id, "op-busy").await,
+        1,
+        "resent once, by the first"
+    );
+
+    let again = resend().await.unwrap();
+    assert_eq!(again.status(), 200);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.text().await.unwrap(), first);
 }
 
 #[tokio::test]
