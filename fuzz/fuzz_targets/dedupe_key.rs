@@ -1,32 +1,11 @@
 //! Dedupe key derivation must never panic on any JSON a provider sends, must be deterministic,
-//! and must give different keys to callbacks whose key fields differ.
+//! and must give different keys to callbacks whose key fields differ. The property lives in
+//! `checks/`, which `cargo test` also runs over the kept corpus.
 #![no_main]
 
-use callbackd::inbound::dedupe::{DEFAULT_FIELDS, derive};
+#[path = "../checks/dedupe_key.rs"]
+mod check;
+
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
-    let split = data.iter().position(|b| *b == 0).unwrap_or(data.len());
-    let (event, body) = data.split_at(split);
-    let event = std::str::from_utf8(event).ok().filter(|e| !e.is_empty());
-    let Ok(json) = serde_json::from_slice::<serde_json::Value>(body.get(1..).unwrap_or_default()) else {
-        return;
-    };
-    let Ok(key) = derive("fuzz", &json, event, &DEFAULT_FIELDS) else {
-        return;
-    };
-    assert_eq!(derive("fuzz", &json, event, &DEFAULT_FIELDS).unwrap(), key);
-    assert_eq!(key.key.len(), 22);
-    // Another source never shares the key.
-    assert_ne!(derive("fuzz2", &json, event, &DEFAULT_FIELDS).unwrap().key, key.key);
-    // Changing the status (or event) changes the key.
-    let mut changed = json.clone();
-    if event.is_none()
-        && let Some(obj) = changed.as_object_mut()
-    {
-        obj.insert("status".into(), serde_json::Value::String("__FUZZ_OTHER__".into()));
-        if json["status"] != "__FUZZ_OTHER__" {
-            assert_ne!(derive("fuzz", &changed, event, &DEFAULT_FIELDS).unwrap().key, key.key);
-        }
-    }
-});
+fuzz_target!(|data: &[u8]| check::check(data));
