@@ -41,8 +41,10 @@ pub const SWEEP_LIMIT: usize = 1000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The store cannot be reached or refused the write: the caller answers 503 and the sender
-    /// retries. Nothing was recorded.
+    /// The store cannot be reached, refused the write, or did not answer within
+    /// `store.timeout_ms`: the caller answers 503 and the sender retries. A store that refused
+    /// recorded nothing; one that was only slow may still apply the write after the answer
+    /// (a paused Redis, a hung fsync), and then the retry finds it and is answered as a replay.
     #[error("store unavailable: {0}")]
     Unavailable(String),
     /// The store answered something this version does not understand (a bug or a foreign
