@@ -8,7 +8,6 @@ use super::redis::free_port;
 pub struct Process {
     pub child: Child,
     pub url: String,
-    pub port: u16,
     _config: tempfile::NamedTempFile,
 }
 
@@ -71,7 +70,6 @@ shutdown_grace_secs = 10
         Process {
             child,
             url,
-            port,
             _config: config,
         }
     }
