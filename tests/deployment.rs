@@ -127,7 +127,17 @@ async fn holding_sink() -> (String, mpsc::UnboundedReceiver<()>, Arc<Notify>) {
 async fn readyz_answers_503_once_shutdown_begins_while_requests_are_still_served() {
     let dir = tempfile::tempdir().unwrap();
     let (sink, mut arrivals, release) = holding_sink().await;
-    let mut process = Process::start(&sqlite_store(&dir), "");
+    // The held attempt must not time out (the template's 1 s) before the test is done with
+    // the drain: that would end the drain, and close the port, on the machine's schedule.
+    let mut process = Process::start_with_env(
+        &sqlite_store(&dir),
+        "",
+        &[
+            ("CALLBACKD__SERVER__SHUTDOWN_GRACE_SECS", "120"),
+            ("CALLBACKD__DISPATCH__REQUEST_TIMEOUT_MS", "120000"),
+            ("CALLBACKD__DISPATCH__LEASE_SECS", "130"),
+        ],
+    );
     let client = reqwest::Client::new();
     let readyz = || async {
         client
