@@ -338,8 +338,9 @@ async fn private_forward_urls_are_refused_at_delivery() {
         .unwrap()
         .allow_private_forward_url = false;
     // Set past validation, which refuses a literal internal forward_url at start-up.
-    cfg.sources.get_mut("open").unwrap().forward_url =
-        Some(format!("http://127.0.0.1:{port}/open"));
+    let open = cfg.sources.get_mut("open").unwrap();
+    open.allow_private_forward_url = false;
+    open.forward_url = Some(format!("http://127.0.0.1:{port}/open"));
     let server = TestServer::start(cfg).await;
     let by_name = server
         .post_callback("payzu", r#"{"id":"tx-ssrf","status":"PAID"}"#, None)

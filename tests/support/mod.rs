@@ -19,10 +19,11 @@ pub const CONNECTOR_TOKEN: &str = "connector-token-1";
 pub const ADMIN_TOKEN: &str = "admin-token-1";
 pub const PAYZU_SECRET: &str = "payzu-secret-1";
 
-/// A config for tests: fast retries, private addresses allowed (sinks are on 127.0.0.1).
+/// A config for tests: fast retries, private addresses allowed for callbackUrls and every
+/// source's forward_url (sinks are on 127.0.0.1).
 pub fn config(store_url: &str, forward_url: Option<&str>) -> Config {
     let forward = forward_url
-        .map(|u| format!("forward_url = \"{u}\"\nallow_private_forward_url = true"))
+        .map(|u| format!("forward_url = \"{u}\""))
         .unwrap_or_default();
     let text = format!(
         r#"
@@ -44,9 +45,11 @@ lease_secs = 7
 [sources.payzu]
 secrets = ["old-secret", "{PAYZU_SECRET}"]
 signature = "payzu"
+allow_private_forward_url = true
 {forward}
 [sources.open]
 signature = "none"
+allow_private_forward_url = true
 "#
     );
     Config::from_toml_str(&text, Path::new("test.toml"), std::iter::empty()).expect("test config")
