@@ -271,7 +271,7 @@ async fn run_chaos(store_url: &str, processes: usize, mut redis: Option<RedisSer
         .map(|p| Arc::new(Mutex::new(p.url.clone())))
         .collect();
     let ledger = Arc::new(Ledger::default());
-    let client = reqwest::Client::new();
+    let client = support::client();
     let stop = Arc::new(AtomicBool::new(false));
     let next = Arc::new(AtomicUsize::new(0));
     let senders: Vec<_> = (0..8)

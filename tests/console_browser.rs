@@ -86,7 +86,7 @@ async fn browser(driver: &Driver, profile: &tempfile::TempDir) -> Client {
 /// The browser's console messages since the last call (chromedriver's log endpoint).
 async fn browser_log(driver: &Driver, c: &Client) -> Vec<Value> {
     let session = c.session_id().await.unwrap().expect("session id");
-    let answer: Value = reqwest::Client::new()
+    let answer: Value = support::client()
         .post(format!("{}/session/{session}/se/log", driver.url))
         .json(&json!({"type": "browser"}))
         .send()

@@ -138,7 +138,7 @@ async fn readyz_answers_503_once_shutdown_begins_while_requests_are_still_served
             ("CALLBACKD__DISPATCH__LEASE_SECS", "130"),
         ],
     );
-    let client = reqwest::Client::new();
+    let client = support::client();
     let readyz = || async {
         client
             .get(format!("{}/readyz", process.url))

@@ -642,7 +642,7 @@ async fn a_store_failure_part_way_is_recorded_and_never_resent_twice() {
     let base = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = tokio_util::sync::CancellationToken::new();
     let serving = tokio::spawn(callbackd::serve(app, listener, shutdown.clone()));
-    let client = reqwest::Client::new();
+    let client = support::client();
     let sink = Sink::ok().await;
     let mut ids = Vec::new();
     for i in 0..200 {
@@ -900,7 +900,7 @@ async fn a_request_id_still_running_is_409() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, callbackd::http::router(app)).await });
-    let client = reqwest::Client::new();
+    let client = support::client();
     let answer: Value = client
         .post(format!("{base}/v1/notifications"))
         .bearer_auth(CONNECTOR_TOKEN)
@@ -1375,7 +1375,7 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let client = reqwest::Client::new();
+    let client = support::client();
     eventually(15, "server up", || async {
         client
             .get(format!("{base}/healthz"))
@@ -1530,7 +1530,7 @@ level = "info"
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let client = reqwest::Client::new();
+    let client = support::client();
     eventually(15, "server up", || async {
         client
             .get(format!("{base}/healthz"))

@@ -469,7 +469,7 @@ async fn connections_beyond_the_limit_wait_instead_of_failing() {
         futures::future::join_all((0..2).map(|_| tokio::net::TcpStream::connect(addr.clone())))
             .await;
     // Both slots are held by idle connections: a new request waits.
-    let fresh = reqwest::Client::new();
+    let fresh = support::client();
     let waiting = tokio::time::timeout(
         Duration::from_millis(500),
         fresh.get(format!("{}/healthz", server.url)).send(),

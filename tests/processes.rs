@@ -63,7 +63,7 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
         ("CALLBACKD__DISPATCH__LEASE_SECS", "15"),
     ];
     let mut doomed = Process::start_with_env(&redis.url(), "", &env);
-    let client = reqwest::Client::new();
+    let client = support::client();
     let answer = hand_off(&client, &doomed.url, "p-crash", &format!("{}/cb", sink.url)).await;
     eventually(10, "first attempt in flight", || async {
         (sink.in_flight() == 1).then_some(())
@@ -112,7 +112,7 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
     .await;
     let processes: Vec<Process> = (0..3).map(|_| Process::start(&redis.url(), "")).collect();
     let urls: Vec<String> = processes.iter().map(|p| p.url.clone()).collect();
-    let client = reqwest::Client::new();
+    let client = support::client();
     let total = 9_000;
     let target = format!("{}/cb", sink.url);
     let semaphore = Arc::new(tokio::sync::Semaphore::new(48));
@@ -158,7 +158,7 @@ async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
             ("CALLBACKD__DISPATCH__LEASE_SECS", "130"),
         ],
     );
-    let client = reqwest::Client::new();
+    let client = support::client();
     let answer = hand_off(&client, &process.url, "p-term", &format!("{}/cb", sink.url)).await;
     eventually(10, "delivery in flight", || async {
         (sink.in_flight() == 1).then_some(())
@@ -209,7 +209,7 @@ async fn sigterm_hands_an_unfinished_lease_back() {
         ("CALLBACKD__DISPATCH__LEASE_SECS", "600"),
     ];
     let mut process = Process::start_with_env(&redis.url(), "", &env);
-    let client = reqwest::Client::new();
+    let client = support::client();
     let answer = hand_off(&client, &process.url, "p-back", &format!("{}/cb", sink.url)).await;
     eventually(10, "delivery in flight", || async {
         (sink.in_flight() == 1).then_some(())

@@ -41,7 +41,7 @@ async fn kill_9_during_a_burst_loses_no_acknowledged_callback() {
     })
     .await;
     let mut process = Process::start(&store, &source_table(&sink));
-    let client = reqwest::Client::new();
+    let client = support::client();
 
     // Eight senders post unique callbacks until the process dies under them.
     let base = process.url.clone();
@@ -159,7 +159,7 @@ async fn the_default_config_runs_without_redis() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let client = reqwest::Client::new();
+    let client = support::client();
     let base = format!("http://127.0.0.1:{port}");
     let ready = eventually(15, "ready", || async {
         client
@@ -210,7 +210,7 @@ async fn a_full_disk_answers_503_and_records_nothing() {
     let base = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = tokio_util::sync::CancellationToken::new();
     tokio::spawn(callbackd::serve(app, listener, shutdown.clone()));
-    let client = reqwest::Client::new();
+    let client = support::client();
     let send = |tx: usize| {
         client
             .post(format!("{base}/v1/callbacks/open"))
@@ -271,7 +271,7 @@ async fn a_stalled_disk_answers_503_and_no_retry_is_lost_or_doubled() {
     let base = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = tokio_util::sync::CancellationToken::new();
     tokio::spawn(callbackd::serve(app, listener, shutdown.clone()));
-    let client = reqwest::Client::new();
+    let client = support::client();
     let send = |tx: &str| {
         client
             .post(format!("{base}/v1/callbacks/open"))

@@ -91,6 +91,8 @@ impl TestServer {
             task: Some(task),
             client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(20))
+                .pool_idle_timeout(std::time::Duration::from_secs(5))
+                .no_proxy()
                 .build()
                 .unwrap(),
         }
@@ -183,6 +185,18 @@ impl Drop for TestServer {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// An HTTP client for talking to a callbackd under test. It drops pooled connections after
+/// 5 s idle, before the server's own idle close (`server.header_timeout_secs`, 10 s): a
+/// request sent on a keep-alive connection at the instant the server closes it would fail
+/// with a reset, a race every HTTP/1.1 client has and that real clients handle by retrying.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_idle_timeout(std::time::Duration::from_secs(5))
+        .no_proxy()
+        .build()
+        .expect("HTTP client")
 }
 
 pub fn manual_clock() -> Arc<ManualClock> {
