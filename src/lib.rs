@@ -127,6 +127,7 @@ pub async fn serve(
     } else {
         None
     };
+    let stop_accepting = shutdown.clone();
     let http_shutdown = CancellationToken::new();
     let drain = tokio::spawn({
         let (app, http_shutdown) = (app.clone(), http_shutdown.clone());
@@ -150,7 +151,14 @@ pub async fn serve(
         max_streams_per_connection: app.config.server.max_streams_per_connection,
         grace,
     };
-    http::server::serve(listener, http::router(app.clone()), http_shutdown, limits).await;
+    http::server::serve(
+        listener,
+        http::router(app.clone()),
+        stop_accepting,
+        http_shutdown,
+        limits,
+    )
+    .await;
     let _ = drain.await;
     let _ = sweeper.await;
     Ok(())

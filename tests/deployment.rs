@@ -124,7 +124,7 @@ async fn holding_sink() -> (String, mpsc::UnboundedReceiver<()>, Arc<Notify>) {
 }
 
 #[tokio::test]
-async fn readyz_answers_503_once_shutdown_begins_while_requests_are_still_served() {
+async fn sigterm_refuses_new_connections_and_readyz_answers_503_on_open_ones() {
     let dir = tempfile::tempdir().unwrap();
     let (sink, mut arrivals, release) = holding_sink().await;
     // The held attempt must not time out (the template's 1 s) before the test is done with
@@ -136,9 +136,13 @@ async fn readyz_answers_503_once_shutdown_begins_while_requests_are_still_served
             ("CALLBACKD__SERVER__SHUTDOWN_GRACE_SECS", "120"),
             ("CALLBACKD__DISPATCH__REQUEST_TIMEOUT_MS", "120000"),
             ("CALLBACKD__DISPATCH__LEASE_SECS", "130"),
+            // The test's connection stays open across the SIGTERM: it must not be closed as
+            // idle (after the header timeout) while the test uses it.
+            ("CALLBACKD__SERVER__HEADER_TIMEOUT_SECS", "120"),
         ],
     );
-    let client = support::client();
+    // One kept-alive connection, opened before the SIGTERM: the only way in afterwards.
+    let client = support::kept_alive_client();
     let readyz = || async {
         client
             .get(format!("{}/readyz", process.url))
@@ -164,7 +168,9 @@ async fn readyz_answers_503_once_shutdown_begins_while_requests_are_still_served
     .await;
     let body: Value = draining.json().await.unwrap();
     assert_eq!(body["error"], "shutting_down");
-    // Still serving while the delivery drains: a hand-off that arrives now is accepted.
+    support::wait_until_refused(&process.url).await;
+    // The open connection is still served while the delivery drains: a hand-off arriving
+    // on it now is accepted.
     let late = client
         .post(format!("{}/v1/notifications", process.url))
         .bearer_auth(support::CONNECTOR_TOKEN)

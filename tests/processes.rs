@@ -140,8 +140,9 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
     assert_eq!(sink.count(), total);
 }
 
-/// SIGTERM while a delivery is held open by the receiver: readiness fails at once, the
-/// delivery finishes within the grace period and is recorded, and the process exits 0.
+/// SIGTERM while a delivery is held open by the receiver: new connections are refused,
+/// readiness fails on open ones, the delivery finishes within the grace period and is
+/// recorded, and the process exits 0.
 #[tokio::test]
 async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
     let redis = RedisServer::start();
@@ -156,9 +157,10 @@ async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
             ("CALLBACKD__SERVER__SHUTDOWN_GRACE_SECS", "120"),
             ("CALLBACKD__DISPATCH__REQUEST_TIMEOUT_MS", "120000"),
             ("CALLBACKD__DISPATCH__LEASE_SECS", "130"),
+            ("CALLBACKD__SERVER__HEADER_TIMEOUT_SECS", "120"),
         ],
     );
-    let client = support::client();
+    let client = support::kept_alive_client();
     let answer = hand_off(&client, &process.url, "p-term", &format!("{}/cb", sink.url)).await;
     eventually(10, "delivery in flight", || async {
         (sink.in_flight() == 1).then_some(())
@@ -174,6 +176,7 @@ async fn sigterm_lets_the_in_flight_delivery_finish_and_exits_zero() {
         (r.status() == 503).then_some(())
     })
     .await;
+    support::wait_until_refused(&process.url).await;
     assert!(
         process.child.try_wait().unwrap().is_none(),
         "still running: waiting for its delivery"

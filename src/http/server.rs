@@ -46,11 +46,14 @@ pub struct Limits {
     pub grace: Duration,
 }
 
-/// Serves `router` until `shutdown`, then stops accepting and lets open requests finish
-/// within `limits.grace`; connections still open then are dropped.
+/// Serves `router`. At `stop_accepting` the listener closes, so new connections are refused
+/// (a load balancer moves on), while open connections are still served: on them `/readyz`
+/// answers 503 and in-flight work completes. At `shutdown` open connections are asked to
+/// close and get `limits.grace` to finish their requests; those still open then are dropped.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
+    stop_accepting: CancellationToken,
     shutdown: CancellationToken,
     limits: Limits,
 ) {
@@ -69,6 +72,7 @@ pub async fn serve(
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {
         let permit = tokio::select! {
+            _ = stop_accepting.cancelled() => break,
             _ = shutdown.cancelled() => break,
             permit = permits.clone().acquire_owned() => match permit {
                 Ok(p) => p,
@@ -76,6 +80,7 @@ pub async fn serve(
             },
         };
         let stream = tokio::select! {
+            _ = stop_accepting.cancelled() => break,
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
@@ -138,6 +143,7 @@ pub async fn serve(
     }
     drop(listener);
     connections.close();
+    shutdown.cancelled().await;
     if tokio::time::timeout(limits.grace, connections.wait())
         .await
         .is_err()

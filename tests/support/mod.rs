@@ -199,6 +199,30 @@ pub fn client() -> reqwest::Client {
         .expect("HTTP client")
 }
 
+/// A client that keeps its connections open as long as the server does: a test that sends
+/// SIGTERM reaches the draining process only through a connection opened before it (new ones
+/// are refused). Give the process a long `server.header_timeout_secs` so it keeps the
+/// connection too.
+pub fn kept_alive_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_idle_timeout(None)
+        .no_proxy()
+        .build()
+        .expect("HTTP client")
+}
+
+/// Waits until a new TCP connection to `url` (`http://host:port`) is refused.
+pub async fn wait_until_refused(url: &str) {
+    let addr = url.trim_start_matches("http://").to_string();
+    eventually(10, "new connections refused", || async {
+        tokio::net::TcpStream::connect(&addr)
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
+}
+
 pub fn manual_clock() -> Arc<ManualClock> {
     let now = SystemClock.now_ms();
     Arc::new(ManualClock::new(now))
