@@ -1326,6 +1326,38 @@ async fn cli_round_trip() {
     assert!(String::from_utf8_lossy(&no_token.stderr).contains("CALLBACKD_ADMIN_TOKEN"));
 }
 
+/// Starts `callbackd serve` with `config_path` (listening on `port`) and waits until it
+/// answers. Logs go to a file, not a pipe: a full pipe would stall the server mid-test; the
+/// config alone decides the log level (`RUST_LOG` is removed).
+async fn serve_logging_to_a_file(
+    dir: &std::path::Path,
+    config_path: &std::path::Path,
+    port: u16,
+) -> (tokio::process::Child, std::path::PathBuf, String) {
+    let log_path = dir.join("callbackd.log");
+    let log_file = std::fs::File::create(&log_path).unwrap();
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .args(["serve", "--config", config_path.to_str().unwrap()])
+        .env_remove("RUST_LOG")
+        .stderr(log_file.try_clone().unwrap())
+        .stdout(log_file)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let client = support::client();
+    eventually(15, "server up", || async {
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+    (child, log_path, base)
+}
+
 #[tokio::test]
 async fn logs_of_a_full_run_hold_no_secrets() {
     let redis = RedisServer::start();
@@ -1364,27 +1396,8 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
         ),
     )
     .unwrap();
-    // Logs go to a file, not a pipe: a full pipe would stall the server mid-test.
-    let log_path = dir.path().join("callbackd.log");
-    let log_file = std::fs::File::create(&log_path).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
-        .args(["serve", "--config", config_path.to_str().unwrap()])
-        .stderr(log_file.try_clone().unwrap())
-        .stdout(log_file)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+    let (mut child, log_path, base) = serve_logging_to_a_file(dir.path(), &config_path, port).await;
     let client = support::client();
-    eventually(15, "server up", || async {
-        client
-            .get(format!("{base}/healthz"))
-            .send()
-            .await
-            .ok()
-            .map(|_| ())
-    })
-    .await;
     let body = r#"{"id":"tx-log","status":"COMPLETED"}"#;
     let now = callbackd::clock::SystemClock.now_secs();
     let signature = callbackd::inbound::signature::sign_payzu(
@@ -1519,27 +1532,8 @@ level = "info"
         ),
     )
     .unwrap();
-    let log_path = dir.path().join("callbackd.log");
-    let log_file = std::fs::File::create(&log_path).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
-        .args(["serve", "--config", config_path.to_str().unwrap()])
-        .env_remove("RUST_LOG")
-        .stderr(log_file.try_clone().unwrap())
-        .stdout(log_file)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+    let (mut child, log_path, base) = serve_logging_to_a_file(dir.path(), &config_path, port).await;
     let client = support::client();
-    eventually(15, "server up", || async {
-        client
-            .get(format!("{base}/healthz"))
-            .send()
-            .await
-            .ok()
-            .map(|_| ())
-    })
-    .await;
     let hand_off = |payment: &str, url: String| {
         client
             .post(format!("{base}/v1/notifications"))
