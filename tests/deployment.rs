@@ -193,6 +193,18 @@ async fn sigterm_refuses_new_connections_and_readyz_answers_503_on_open_ones() {
         Some(0),
         "clean exit once the delivery is done"
     );
+    // The draining process claimed nothing more: the late hand-off never reached the
+    // receiver from it (it has exited, so it never will). The next start delivers it.
+    assert!(
+        arrivals.try_recv().is_err(),
+        "a shutting-down process claimed a new message"
+    );
+    let _next = Process::start(&sqlite_store(&dir), "");
+    arrivals
+        .recv()
+        .await
+        .expect("the next start delivers p-late");
+    release.notify_waiters();
 }
 
 fn check_config(config: &std::path::Path, env: &[(&str, &str)]) -> std::process::Output {
