@@ -1,4 +1,10 @@
 //! callbackd: makes payment callbacks safe to retry. This file wires the parts together.
+//!
+//! The map (ARCHITECTURE.md has the long version): `http/` holds thin handlers that verify and
+//! parse, `inbound/` and `payment.rs` the pure rules (signatures, dedupe keys, the payment
+//! state machine), `store/` the one seam to storage (SQLite or Redis, each state change one
+//! atomic step with `now` from the caller), `dispatch/` the workers that claim, deliver and
+//! complete, and `alerts.rs`, `metrics.rs`, `trace.rs` what operators watch.
 
 pub mod alerts;
 pub mod app;

@@ -1,4 +1,4 @@
-//! The payment state machine (DESIGN.md §1 rule 3), pure.
+//! The payment state machine (ARCHITECTURE.md §1.3), pure.
 //!
 //! `undefined → approved → settled → refunded`, `undefined → denied`, `undefined → cancelled`
 //! (an async payment that expires unpaid), `approved → cancelled`. `denied`, `cancelled` and

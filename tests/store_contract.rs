@@ -1,4 +1,4 @@
-//! The Store contract (DESIGN.md §3): the same tests against every backend.
+//! The Store contract (ARCHITECTURE.md, "The store seam"): the same tests against every backend.
 //!
 //! `contract!` turns each `async fn(&Harness)` below into one test per backend, in the modules
 //! `redis` (a private `redis-server` per test) and `sqlite` (a temp file per test). Time is

@@ -4,8 +4,8 @@
 //! Nothing about a retry lives only in memory: the next attempt time is in the store, so a
 //! crash or restart loses nothing, and a worker that dies mid-delivery loses only its lease.
 //! Backpressure: a global semaphore (`dispatch.concurrency`) bounds in-flight deliveries, and
-//! a per-host one keeps a slow gateway from taking every permit; a message whose host is busy
-//! goes back to the queue for a second instead of holding a worker.
+//! a per-host one keeps a slow gateway from taking every permit. A claim takes at most one
+//! host's worth of messages, and a claimed message waits briefly for a slot to its host.
 
 pub mod delivery;
 pub mod schedule;

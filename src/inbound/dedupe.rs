@@ -1,4 +1,4 @@
-//! Dedupe keys of provider callbacks (DESIGN.md §1 rule 1, seed `001_*`).
+//! Dedupe keys of provider callbacks (ARCHITECTURE.md §1.1).
 //!
 //! The key is the source, the transaction `id`, then the `X-Callback-Event` header when the
 //! request has one (registered webhooks) or else `/status` (transaction `callbackUrl`), then

@@ -1,6 +1,6 @@
 //! Provider signature schemes. Verification runs before anything is claimed, so a forged
 //! request can never burn the dedupe key of a real event. `now` is an argument: the vectors
-//! in `shared/vectors/signatures.json` were signed years ago and must still verify in tests.
+//! in `tests/vectors/signatures.json` were signed years ago and must still verify in tests.
 
 use axum::http::{HeaderMap, HeaderName};
 use base64::Engine;
@@ -139,7 +139,7 @@ impl Verifier {
                 secrets,
                 tolerance_secs,
             } => {
-                // The id is signed as raw bytes: it may be UTF-8 (see the shared vectors).
+                // The id is signed as raw bytes: it may be UTF-8 (see tests/vectors).
                 let id = single_header(headers, WEBHOOK_ID)?.as_bytes();
                 let ts_raw = header_str(headers, WEBHOOK_TIMESTAMP)?;
                 let timestamp: i64 =

@@ -1,4 +1,4 @@
-//! SQLite backend: the embedded default (DESIGN.md §3), the same contract as the Redis one.
+//! SQLite backend: the embedded default (ARCHITECTURE.md, "The store seam"), the same contract as the Redis one.
 //!
 //! Why one writer thread: SQLite allows one writer at a time, and every durable commit costs an
 //! fsync (`synchronous=FULL`). A dedicated thread owns the write connection; async callers send
