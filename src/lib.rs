@@ -102,12 +102,12 @@ pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, St
     ))
 }
 
-/// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) until
-/// `shutdown` is cancelled. Then `/readyz` answers 503 at once and the dispatcher stops
-/// claiming; HTTP goes on answering while in-flight deliveries finish (within
-/// `server.shutdown_grace_secs`) and unfinished leases are handed back, so a load balancer
-/// sees the readiness change before the port closes. Then it stops accepting and gives open
-/// requests another `server.shutdown_grace_secs` to finish.
+/// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) and the
+/// sweeper until `shutdown` is cancelled. Then the listener closes (new connections are
+/// refused), `/readyz` answers 503 on the connections still open, which are still served, and
+/// the dispatcher stops claiming; in-flight deliveries get `server.shutdown_grace_secs` to
+/// finish and unfinished leases are handed back. Then open connections are asked to close
+/// and get another `server.shutdown_grace_secs` to finish their requests.
 pub async fn serve(
     app: Arc<App>,
     listener: TcpListener,

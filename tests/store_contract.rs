@@ -1783,6 +1783,42 @@ mod redis_only {
         the_upgraded_fixture_keeps_its_data(&h, dumped_at).await;
     }
 
+    /// Two processes start on a first-release store at once, and one of its messages has a
+    /// history longer than v2 keeps: one upgrades while the other waits, and the history is
+    /// brought down to the first row and the latest 100, its total kept.
+    #[tokio::test]
+    async fn a_long_history_is_trimmed_and_only_one_process_upgrades() {
+        let server = RedisServer::start();
+        let dumped_at = load_fixture(&server.url()).await;
+        // The pending message's history is the one attempts list without a TTL.
+        let pending_history = server
+            .cli(&["--scan", "--pattern", "cb:*:a:*"])
+            .lines()
+            .find(|k| server.cli(&["PTTL", k]) == "-1")
+            .expect("the pending message's history")
+            .to_string();
+        for n in 2..=150 {
+            let row = serde_json::to_string(&delivery(n, dumped_at, 503)).unwrap();
+            server.cli(&["RPUSH", &pending_history, &row]);
+        }
+        let id = MessageId::parse(pending_history.rsplit(':').next().unwrap()).unwrap();
+        let connect = || async {
+            RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+                .await
+                .unwrap()
+        };
+        let (a, b) = (connect().await, connect().await);
+        let (ra, rb) = tokio::join!(a.upgrade(dumped_at), b.upgrade(dumped_at));
+        assert_eq!((ra.unwrap(), rb.unwrap()), (1, 1));
+        assert_eq!(server.cli(&["EXISTS", "cb:upgrading"]), "0");
+        let record = a.get(&id).await.unwrap().unwrap();
+        assert_eq!(record.history_total, 150);
+        assert_eq!(record.history.len(), 1 + callbackd::store::HISTORY_TAIL);
+        assert_eq!(record.history[0].attempt, 1, "the first row is kept");
+        assert_eq!(record.history[1].attempt, 51);
+        assert_eq!(record.history[100].attempt, 150);
+    }
+
     #[tokio::test]
     async fn a_store_newer_than_this_binary_is_refused() {
         let server = RedisServer::start();
@@ -1851,6 +1887,37 @@ mod redis_only {
 mod sqlite_only {
     use super::*;
     use std::path::PathBuf;
+
+    #[tokio::test]
+    async fn a_long_first_release_history_is_trimmed_by_the_migration() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cb.db");
+        std::fs::copy("tests/fixtures/sqlite_v1.db", &path).unwrap();
+        let id = {
+            let conn = rusqlite::Connection::open(&path).unwrap();
+            let id: String = conn
+                .query_row("SELECT id FROM messages WHERE state = 'pending'", [], |r| {
+                    r.get(0)
+                })
+                .unwrap();
+            for n in 2..=150 {
+                let row = serde_json::to_string(&delivery(n, T0, 503)).unwrap();
+                conn.execute(
+                    "INSERT INTO attempts (message_id, row) VALUES (?1, ?2)",
+                    rusqlite::params![id, row],
+                )
+                .unwrap();
+            }
+            MessageId::parse(&id).unwrap()
+        };
+        let store = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let record = store.get(&id).await.unwrap().unwrap();
+        assert_eq!(record.history_total, 150);
+        assert_eq!(record.history.len(), 1 + callbackd::store::HISTORY_TAIL);
+        assert_eq!(record.history[0].attempt, 1, "the first row is kept");
+        assert_eq!(record.history[1].attempt, 51);
+        assert_eq!(record.history[100].attempt, 150);
+    }
 
     #[tokio::test]
     async fn a_first_release_database_is_migrated_in_place() {

@@ -80,6 +80,9 @@ impl Scripts {
 /// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history.
 pub const SCHEMA_VERSION: u32 = 2;
 const SCHEMA_KEY: &str = "cb:schema";
+/// Held by the one process upgrading an older layout.
+const UPGRADE_LOCK_KEY: &str = "cb:upgrading";
+const UPGRADE_LOCK_MS: u64 = 600_000;
 
 pub struct RedisStore {
     conn: ConnectionManager,
@@ -225,17 +228,59 @@ impl RedisStore {
                  callbackd understands ({SCHEMA_VERSION}); run a newer callbackd"
             )));
         }
-        if found < 2 {
-            let lifetimes = redis_upgrade::Lifetimes {
-                retention_secs: self.retention_secs,
-                payment_retention_secs: self.payment_retention_secs,
-            };
-            redis_upgrade::v1_to_v2(&mut conn, now, lifetimes).await?;
+        if found == SCHEMA_VERSION {
+            // A new store is stamped; stamping an up-to-date one again changes nothing.
+            conn.set::<_, _, ()>(SCHEMA_KEY, SCHEMA_VERSION)
+                .await
+                .map_err(unavailable)?;
+            return Ok(found);
         }
-        conn.set::<_, _, ()>(SCHEMA_KEY, SCHEMA_VERSION)
+        // One process upgrades; the others wait for the version key and serve only then, so
+        // nothing is written in the new layout while an old-layout read is in flight.
+        let token = MessageId::generate(now, "upgrade").to_string();
+        let mine: Option<String> = redis::cmd("SET")
+            .arg(UPGRADE_LOCK_KEY)
+            .arg(&token)
+            .arg("NX")
+            .arg("PX")
+            .arg(UPGRADE_LOCK_MS)
+            .query_async(&mut conn)
+            .await
+            .map_err(unavailable)?;
+        if mine.is_none() {
+            return self.wait_for_upgrade(found).await;
+        }
+        let lifetimes = redis_upgrade::Lifetimes {
+            retention_secs: self.retention_secs,
+            payment_retention_secs: self.payment_retention_secs,
+        };
+        redis_upgrade::v1_to_v2(&mut conn, now, lifetimes).await?;
+        redis::pipe()
+            .set(SCHEMA_KEY, SCHEMA_VERSION)
+            .del(UPGRADE_LOCK_KEY)
+            .query_async::<()>(&mut conn)
             .await
             .map_err(unavailable)?;
         Ok(found)
+    }
+
+    /// Waits while another process upgrades (at most the lock's lifetime: a process that died
+    /// mid-upgrade leaves a lock that expires, and the next start redoes the idempotent steps).
+    async fn wait_for_upgrade(&self, found: u32) -> Result<u32, StoreError> {
+        let mut conn = self.conn.clone();
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(UPGRADE_LOCK_MS);
+        while tokio::time::Instant::now() < deadline {
+            let version: Option<u32> = conn.get(SCHEMA_KEY).await.map_err(unavailable)?;
+            if version == Some(SCHEMA_VERSION) {
+                return Ok(found);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(StoreError::Unavailable(format!(
+            "another process has been upgrading the Redis layout for {} s ({UPGRADE_LOCK_KEY}); \
+             start again to take over",
+            UPGRADE_LOCK_MS / 1000
+        )))
     }
 
     /// `CONFIG GET` of the persistence and eviction settings, or `None` when CONFIG is

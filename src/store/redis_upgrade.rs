@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Value};
 
-use super::{MessageState, Millis, NewMessage, StoreError};
+use super::{HISTORY_TAIL, MessageState, Millis, NewMessage, StoreError};
 use crate::digest::short_hash;
 
 /// Keys read per SCAN step and per pipeline.
@@ -83,9 +83,31 @@ pub async fn has_data(conn: &mut ConnectionManager) -> Result<bool, StoreError> 
     }
 }
 
+/// What one scan over the keys upgrades.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Claims, payments and messages. After it no finished message expires by a v1 TTL any
+    /// more, so the next pass sees every message that will ever be swept.
+    Records,
+    /// Listing indexes: ids of messages v1 already expired are dropped.
+    Indexes,
+}
+
 /// Upgrades every partition key from version 1 to 2, a SCAN page at a time.
 pub async fn v1_to_v2(
     conn: &mut ConnectionManager,
+    now: Millis,
+    lifetimes: Lifetimes,
+) -> Result<(), StoreError> {
+    for pass in [Pass::Records, Pass::Indexes] {
+        scan_pass(conn, pass, now, lifetimes).await?;
+    }
+    Ok(())
+}
+
+async fn scan_pass(
+    conn: &mut ConnectionManager,
+    pass: Pass,
     now: Millis,
     lifetimes: Lifetimes,
 ) -> Result<(), StoreError> {
@@ -100,7 +122,7 @@ pub async fn v1_to_v2(
             .query_async(conn)
             .await
             .map_err(unavailable)?;
-        upgrade_page(conn, &keys, now, lifetimes).await?;
+        upgrade_page(conn, &keys, pass, now, lifetimes).await?;
         if next == 0 {
             return Ok(());
         }
@@ -111,17 +133,23 @@ pub async fn v1_to_v2(
 async fn upgrade_page(
     conn: &mut ConnectionManager,
     keys: &[String],
+    pass: Pass,
     now: Millis,
     lifetimes: Lifetimes,
 ) -> Result<(), StoreError> {
     let retention_ms = lifetimes.retention_secs as i64 * 1000;
     let extension_ms =
         (lifetimes.payment_retention_secs as i64 - lifetimes.retention_secs as i64) * 1000;
+    // One MULTI/EXEC per page: a crash never leaves a history trimmed but uncounted.
     let mut writes = redis::pipe();
+    writes.atomic();
     for key in keys {
         let Some((prefix, member, kind)) = classify(key) else {
             continue;
         };
+        if (pass == Pass::Indexes) != matches!(kind, Kind::Index) {
+            continue;
+        }
         let expiry = format!("{prefix}x");
         // Score of a key that keeps its current lifetime; a key without a TTL gets the retention.
         let ends = |pttl: i64| now + if pttl > 0 { pttl } else { retention_ms };
@@ -133,7 +161,8 @@ async fn upgrade_page(
                     .arg(&expiry)
                     .arg("NX")
                     .arg(ends(pttl))
-                    .arg(member);
+                    .arg(member)
+                    .ignore();
             }
             Kind::Payment => {
                 let (pttl, upgraded): (i64, Option<f64>) = redis::pipe()
@@ -171,13 +200,15 @@ async fn upgrade_message(
 ) -> Result<(), StoreError> {
     let key = format!("{prefix}m:{id}");
     let attempts = format!("{prefix}a:{id}");
-    let (fields, rows, pttl): (HashMap<String, String>, i64, i64) = redis::pipe()
-        .hgetall(&key)
-        .llen(&attempts)
-        .pttl(&key)
-        .query_async(conn)
-        .await
-        .map_err(unavailable)?;
+    let (fields, rows, first, pttl): (HashMap<String, String>, i64, Option<String>, i64) =
+        redis::pipe()
+            .hgetall(&key)
+            .llen(&attempts)
+            .lindex(&attempts, 0)
+            .pttl(&key)
+            .query_async(conn)
+            .await
+            .map_err(unavailable)?;
     let Some(rec) = fields.get("rec") else {
         return Ok(());
     };
@@ -188,6 +219,13 @@ async fn upgrade_message(
         .ignore();
     if !fields.contains_key("hn") {
         writes.hset(&key, "hn", rows).ignore();
+    }
+    // v1 kept every row; keep the first and the latest HISTORY_TAIL, as v2 does.
+    if let Some(first) = first.filter(|_| rows > HISTORY_TAIL as i64 + 1) {
+        writes
+            .ltrim(&attempts, -(HISTORY_TAIL as isize), -1)
+            .ignore();
+        writes.lpush(&attempts, first).ignore();
     }
     let finished = fields
         .get("state")

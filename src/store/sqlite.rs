@@ -125,6 +125,16 @@ CREATE INDEX seals_by_expiry ON seals (expires_at);
 ALTER TABLE messages ADD COLUMN history_total INTEGER NOT NULL DEFAULT 0;
 UPDATE messages SET history_total =
     (SELECT count(*) FROM attempts WHERE attempts.message_id = messages.id);
+
+-- Version 1 kept every row: keep the first and the latest 100 of each message.
+DELETE FROM attempts WHERE seq IN (
+    SELECT seq FROM (
+        SELECT seq,
+               row_number() OVER (PARTITION BY message_id ORDER BY seq) AS n,
+               count(*) OVER (PARTITION BY message_id) AS total
+        FROM attempts
+    ) WHERE n > 1 AND n <= total - 100
+);
 "#,
 ];
 
