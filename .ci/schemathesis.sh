@@ -49,6 +49,7 @@ level = "warn"
 [sources.open]
 signature = "none"
 forward_url = "http://127.0.0.1:9/events"
+allow_private_forward_url = true
 TOML
 
 "$bin" serve --config "$work/config.toml" >"$work/callbackd.log" 2>&1 &
@@ -57,7 +58,11 @@ for _ in $(seq 1 150); do
   curl -fsS "$base/healthz" >/dev/null 2>&1 && break
   sleep 0.1
 done
-curl -fsS "$base/healthz" >/dev/null
+curl -fsS "$base/healthz" >/dev/null || {
+  echo "callbackd did not start:" >&2
+  cat "$work/callbackd.log" >&2
+  exit 1
+}
 
 # Seed a provider event and two payments' notifications, so that lookups find messages
 # (the document's links lead the fuzzer from these answers to the operations taking ids).
