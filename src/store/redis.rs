@@ -322,20 +322,20 @@ impl RedisStore {
         let mut pipe = redis::pipe();
         for id in ids {
             let keys = Keys::of_id(id);
-            pipe.hgetall(keys.message(id));
+            pipe.hgetall(keys.message(id))
+                .zscore(keys.due(), id.as_str());
             if with_history {
                 pipe.lrange(keys.attempts(id), 0, -1);
-            } else {
-                pipe.cmd("PING");
             }
-            pipe.zscore(keys.due(), id.as_str());
         }
         let mut conn = self.conn.clone();
         let replies: Vec<Value> = pipe.query_async(&mut conn).await.map_err(unavailable)?;
         let mut records = Vec::with_capacity(ids.len());
-        for chunk in replies.chunks(3) {
-            let [fields, history, due] = chunk else {
-                return Err(corrupt("short pipeline reply"));
+        for chunk in replies.chunks(if with_history { 3 } else { 2 }) {
+            let (fields, due, history) = match chunk {
+                [fields, due, history] => (fields, due, Some(history)),
+                [fields, due] => (fields, due, None),
+                _ => return Err(corrupt("short pipeline reply")),
             };
             let fields: HashMap<String, String> =
                 redis::from_redis_value_ref(fields).map_err(corrupt)?;
@@ -347,7 +347,7 @@ impl RedisStore {
                 .get("state")
                 .and_then(|s| MessageState::parse(s))
                 .ok_or_else(|| corrupt(format!("message {} has no valid state", message.id)))?;
-            let history = if with_history {
+            let history = if let Some(history) = history {
                 let rows: Vec<String> = redis::from_redis_value_ref(history).map_err(corrupt)?;
                 rows.iter()
                     .map(|row| serde_json::from_str::<Attempt>(row).map_err(corrupt))

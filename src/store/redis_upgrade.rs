@@ -60,19 +60,30 @@ fn classify(key: &str) -> Option<(&str, &str, Kind)> {
     Some((prefix, rest, kind))
 }
 
+/// Every partition key of every layout.
+const PARTITION_KEYS: &str = "cb:{p*}:*";
+
+/// One SCAN step over the partition keys: the next cursor (0 at the end) and a page of keys.
+async fn scan_step(
+    conn: &mut ConnectionManager,
+    cursor: u64,
+) -> Result<(u64, Vec<String>), StoreError> {
+    redis::cmd("SCAN")
+        .arg(cursor)
+        .arg("MATCH")
+        .arg(PARTITION_KEYS)
+        .arg("COUNT")
+        .arg(PAGE)
+        .query_async(conn)
+        .await
+        .map_err(unavailable)
+}
+
 /// True when the store holds any partition key (so a missing version means version 1).
 pub async fn has_data(conn: &mut ConnectionManager) -> Result<bool, StoreError> {
     let mut cursor = 0u64;
     loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg("cb:{p*")
-            .arg("COUNT")
-            .arg(PAGE * 4)
-            .query_async(conn)
-            .await
-            .map_err(unavailable)?;
+        let (next, keys) = scan_step(conn, cursor).await?;
         if !keys.is_empty() {
             return Ok(true);
         }
@@ -113,15 +124,7 @@ async fn scan_pass(
 ) -> Result<(), StoreError> {
     let mut cursor = 0u64;
     loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg("cb:{p*}:*")
-            .arg("COUNT")
-            .arg(PAGE)
-            .query_async(conn)
-            .await
-            .map_err(unavailable)?;
+        let (next, keys) = scan_step(conn, cursor).await?;
         upgrade_page(conn, &keys, pass, now, lifetimes).await?;
         if next == 0 {
             return Ok(());
