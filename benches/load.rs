@@ -52,8 +52,8 @@ use callbackd::inbound::dedupe::{self, DEFAULT_FIELDS};
 use callbackd::inbound::signature::sign_payzu;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::{
-    AcceptOutcome, AcceptRequest, Attempt, Claim, Completion, MessageId, MessageKind, NewMessage,
-    Store,
+    AcceptOutcome, AcceptRequest, Attempt, Completion, DedupeClaim, MessageId, MessageKind,
+    NewMessage, Store,
 };
 
 const CONCURRENCY: usize = 64;
@@ -1169,7 +1169,7 @@ fn inbound_accept(tx: &str, now: i64, target_url: &str) -> AcceptRequest {
     let id = MessageId::generate(now, &ordering_key);
     let response = format!(r#"{{"messageId":"{id}"}}"#);
     AcceptRequest {
-        claim: Claim {
+        dedupe: DedupeClaim {
             key: key.key,
             ttl_secs: DEDUPE_TTL_SECS,
             fingerprint: String::new(),

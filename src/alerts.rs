@@ -9,6 +9,7 @@
 //! keeps the repeat from announcing the same death twice. An alert that dies itself is not
 //! announced: alerts never alert about alerts.
 
+use crate::clock::Millis;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
@@ -16,7 +17,7 @@ use crate::clock::format_iso;
 use crate::config::{Config, ConfigError, decode_whsec};
 use crate::digest::short_hash;
 use crate::store::{
-    AcceptRequest, Attempt, Claim, Claimed, MessageId, MessageKind, Millis, NewMessage,
+    AcceptRequest, Attempt, DedupeClaim, Lease, MessageId, MessageKind, NewMessage,
 };
 use crate::trace::{TRACEPARENT, TRACESTATE};
 
@@ -130,7 +131,7 @@ impl Alerts {
     /// the dead letter is recorded; `None` when the dead message is an alert itself.
     pub fn dead_letter(
         &self,
-        claimed: &Claimed,
+        claimed: &Lease,
         attempt: &Attempt,
         reason: DeathReason,
         now: Millis,
@@ -196,7 +197,7 @@ impl Alerts {
             deadline: now.saturating_add(self.max_age_ms),
         };
         Some(AcceptRequest {
-            claim: Claim {
+            dedupe: DedupeClaim {
                 // One alert per death: a repeat of the same attempt (after a crash) replays.
                 key: short_hash(format!("alert\n{}\n{}", dead.id, attempt.attempt).as_bytes()),
                 ttl_secs: self.dedupe_ttl_secs,

@@ -5,7 +5,8 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::store::Millis;
+/// Milliseconds since the Unix epoch: every instant the store and the scheduler are given.
+pub type Millis = i64;
 
 pub trait Clock: Send + Sync + 'static {
     fn now_ms(&self) -> Millis;

@@ -14,7 +14,6 @@ pub mod config;
 pub mod digest;
 pub mod dispatch;
 pub mod durability;
-pub mod error;
 pub mod http;
 pub mod inbound;
 pub mod metrics;

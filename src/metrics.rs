@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::error::ErrorCode;
+use crate::http::error::ErrorCode;
 use crate::store::{MessageKind, ResendEffect};
 
 pub const CALLBACKS: &str = "callbackd_callbacks_total";

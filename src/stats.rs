@@ -4,11 +4,10 @@
 //! delivered (the Prometheus counters are the fleet-wide record). Minutes come from the
 //! caller's clock, like everything else, so tests on a virtual clock see their own minutes.
 
+use crate::clock::Millis;
 use std::sync::Mutex;
 
 use serde::Serialize;
-
-use crate::store::Millis;
 
 /// Minutes of history shown.
 pub const MINUTES: usize = 60;

@@ -803,7 +803,7 @@ async fn a_resent_finished_message_queues_behind_a_pending_one_of_its_key() {
 /// selection is reached by narrowing the window.
 #[tokio::test]
 async fn a_resend_stops_at_ten_thousand_and_says_more() {
-    use callbackd::store::{AcceptRequest, Claim, MessageId, MessageKind, NewMessage};
+    use callbackd::store::{AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage};
     const CAP: usize = 10_000;
     let redis = RedisServer::start_with("no");
     let (server, clock, _d) = virtual_server(&redis.url(), |_| {}).await;
@@ -831,7 +831,7 @@ async fn a_resend_stops_at_ten_thousand_and_says_more() {
                 deadline: t0 + i + 3_600_000,
             };
             let request = AcceptRequest {
-                claim: Claim {
+                dedupe: DedupeClaim {
                     key: format!("cap-{i}"),
                     ttl_secs: 3600,
                     fingerprint: String::new(),
@@ -1128,7 +1128,7 @@ fn readme_table(heading: &str) -> Vec<String> {
 /// and the `/metrics` HELP text; this holds all three to them.
 #[tokio::test]
 async fn error_and_metric_catalogues_agree_with_readme_spec_and_help() {
-    use callbackd::error::ErrorCode;
+    use callbackd::http::error::ErrorCode;
     use callbackd::metrics::CATALOGUE;
 
     let expected: Vec<String> = ErrorCode::ALL

@@ -5,12 +5,12 @@
 
 mod support;
 
+use callbackd::clock::Millis;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use callbackd::clock::{Clock, ManualClock};
 use callbackd::dispatch::Dispatcher;
-use callbackd::store::Millis;
 use serde_json::json;
 use support::redis::RedisServer;
 use support::sink::{Reply, Sink};

@@ -9,6 +9,7 @@
 #[allow(dead_code)]
 mod redis_support;
 
+use callbackd::clock::Millis;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -17,9 +18,9 @@ use callbackd::store::ids::partition_of;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
-    AcceptOutcome, AcceptRequest, Attempt, Claim, Claimed, Completion, ListFilter, MessageId,
-    MessageKind, MessageRecord, MessageState, Millis, NewMessage, OperationReservation,
-    PaymentTransition, QueueDepth, ReceiverAnswer, ResendEffect, SignatureSeal, Store, StoreError,
+    AcceptOutcome, AcceptRequest, Attempt, Completion, DedupeClaim, Lease, ListFilter, MessageId,
+    MessageKind, MessageRecord, MessageState, NewMessage, OperationReservation, PaymentTransition,
+    QueueDepth, ReceiverAnswer, ResendEffect, SignatureSeal, Store, StoreError,
 };
 use redis_support::RedisServer;
 
@@ -199,7 +200,7 @@ fn inbound(source: &str, transaction_id: &str, now: Millis) -> NewMessage {
 
 fn request(claim_key: &str, message: NewMessage) -> AcceptRequest {
     AcceptRequest {
-        claim: Claim {
+        dedupe: DedupeClaim {
             key: claim_key.to_string(),
             ttl_secs: TTL_SECS,
             fingerprint: "fp-1".into(),
@@ -274,12 +275,12 @@ fn resend_mark(at: Millis) -> Attempt {
     }
 }
 
-async fn claim(s: &dyn Store, now: Millis, limit: usize) -> Vec<Claimed> {
+async fn claim(s: &dyn Store, now: Millis, limit: usize) -> Vec<Lease> {
     s.claim_due(now, limit, LEASE_MS).await.expect("claim_due")
 }
 
 /// Claims at `now` and expects exactly the messages `ids` (in any order).
-async fn claim_exactly(s: &dyn Store, now: Millis, ids: &[&MessageId]) -> Vec<Claimed> {
+async fn claim_exactly(s: &dyn Store, now: Millis, ids: &[&MessageId]) -> Vec<Lease> {
     let claimed = claim(s, now, 100).await;
     let got: BTreeSet<_> = claimed.iter().map(|c| c.message.id.clone()).collect();
     let want: BTreeSet<_> = ids.iter().map(|id| (*id).clone()).collect();
@@ -287,11 +288,11 @@ async fn claim_exactly(s: &dyn Store, now: Millis, ids: &[&MessageId]) -> Vec<Cl
     claimed
 }
 
-async fn claim_one(s: &dyn Store, now: Millis, id: &MessageId) -> Claimed {
+async fn claim_one(s: &dyn Store, now: Millis, id: &MessageId) -> Lease {
     claim_exactly(s, now, &[id]).await.remove(0)
 }
 
-async fn complete(s: &dyn Store, c: &Claimed, completion: Completion, now: Millis) -> bool {
+async fn complete(s: &dyn Store, c: &Lease, completion: Completion, now: Millis) -> bool {
     let attempt = delivery(c.attempts + 1, now, 500);
     s.complete(c, attempt, completion, now)
         .await
@@ -328,7 +329,7 @@ fn ids(records: &[MessageRecord]) -> Vec<MessageId> {
 async fn accept_then_replay_returns_the_stored_response(h: &Harness) {
     let s = h.s();
     let first = request("k1", new_message("pay/1", T0));
-    let stored = first.claim.response.clone();
+    let stored = first.dedupe.response.clone();
     assert_eq!(
         s.accept(first.clone(), T0).await.unwrap(),
         AcceptOutcome::Accepted
@@ -336,7 +337,7 @@ async fn accept_then_replay_returns_the_stored_response(h: &Harness) {
 
     // A repeat builds a new id and response; it gets the first answer and creates nothing.
     let mut repeat = request("k1", new_message("pay/1", T0 + 5));
-    repeat.claim.response = r#"{"messageId":"something else"}"#.into();
+    repeat.dedupe.response = r#"{"messageId":"something else"}"#.into();
     let repeat_id = repeat.message.id.clone();
     assert_eq!(
         s.accept(repeat, T0 + 5).await.unwrap(),
@@ -369,7 +370,7 @@ async fn a_different_fingerprint_is_a_conflict(h: &Harness) {
         AcceptOutcome::Accepted
     );
     let mut other = request("k1", new_message("pay/1", T0 + 1));
-    other.claim.fingerprint = "fp-2".into();
+    other.dedupe.fingerprint = "fp-2".into();
     let other_id = other.message.id.clone();
     assert_eq!(
         s.accept(other, T0 + 1).await.unwrap(),
@@ -382,7 +383,7 @@ async fn a_different_fingerprint_is_a_conflict(h: &Harness) {
             .await
             .unwrap(),
         AcceptOutcome::Replayed {
-            response: first.claim.response
+            response: first.dedupe.response
         }
     );
 }
@@ -407,7 +408,7 @@ async fn payment_status_is_compare_and_set(h: &Harness) {
 
     // approved → approved is not a transition; a new key, so it is not a replay either.
     let mut again = notification("p1", "approved", &["undefined"], T0 + 1);
-    again.claim.key = "notification/p1/approved/again".into();
+    again.dedupe.key = "notification/p1/approved/again".into();
     let again_id = again.message.id.clone();
     assert_eq!(
         s.accept(again, T0 + 1).await.unwrap(),
@@ -419,7 +420,7 @@ async fn payment_status_is_compare_and_set(h: &Harness) {
 
     // A refused transition burns no key: the same key with a valid transition goes through.
     let refund = notification("p1", "refunded", &["settled"], T0 + 2);
-    let refund_key = refund.claim.key.clone();
+    let refund_key = refund.dedupe.key.clone();
     assert_eq!(
         s.accept(refund, T0 + 2).await.unwrap(),
         AcceptOutcome::InvalidTransition {
@@ -432,7 +433,7 @@ async fn payment_status_is_compare_and_set(h: &Harness) {
         AcceptOutcome::Accepted
     );
     let mut refund = notification("p1", "refunded", &["settled"], T0 + 4);
-    refund.claim.key = refund_key;
+    refund.dedupe.key = refund_key;
     assert_eq!(
         s.accept(refund, T0 + 4).await.unwrap(),
         AcceptOutcome::Accepted
@@ -730,7 +731,7 @@ async fn completion_after_lease_expiry_but_before_a_new_lease_is_final(h: &Harne
     assert_eq!(get(s, &a).await.state, MessageState::Delivered);
 }
 
-fn ids_of(claimed: &[Claimed]) -> Vec<MessageId> {
+fn ids_of(claimed: &[Lease]) -> Vec<MessageId> {
     claimed.iter().map(|c| c.message.id.clone()).collect()
 }
 
@@ -1420,7 +1421,7 @@ async fn an_expired_claim_is_a_new_event(h: &Harness) {
     assert_eq!(
         s.accept(before, end - 1).await.unwrap(),
         AcceptOutcome::Replayed {
-            response: first.claim.response.clone()
+            response: first.dedupe.response.clone()
         }
     );
     let after = request("k", new_message("pay/1", end));
@@ -1452,7 +1453,7 @@ async fn a_signature_is_single_use_while_it_could_verify(h: &Harness) {
     assert_eq!(
         s.accept(reposted, T0 + 1_000).await.unwrap(),
         AcceptOutcome::Replayed {
-            response: first.claim.response.clone()
+            response: first.dedupe.response.clone()
         }
     );
     assert_eq!(s.get(&reposted_id).await.unwrap(), None);
@@ -1462,14 +1463,14 @@ async fn a_signature_is_single_use_while_it_could_verify(h: &Harness) {
     assert_eq!(
         s.accept(retry, T0 + 2_000).await.unwrap(),
         AcceptOutcome::Replayed {
-            response: first.claim.response.clone()
+            response: first.dedupe.response.clone()
         }
     );
     let again = sealed("tx-1/REFUNDED", "sig-2", valid_until, T0 + 3_000);
     assert_eq!(
         s.accept(again, T0 + 3_000).await.unwrap(),
         AcceptOutcome::Replayed {
-            response: first.claim.response.clone()
+            response: first.dedupe.response.clone()
         }
     );
     // Once the signature could no longer verify, the seal is gone: a new signature on the
@@ -1591,7 +1592,7 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
     .expect("fixture body has a key");
     let ordering_key = format!("src/payzu/{}", key.transaction_id);
     let retry = AcceptRequest {
-        claim: Claim {
+        dedupe: DedupeClaim {
             key: key.key,
             ttl_secs: TTL_SECS,
             fingerprint: String::new(),
@@ -1954,24 +1955,24 @@ mod sqlite_only {
         let (_dir, path) = fresh();
         let s = SqliteStore::open(&path, RETENTION_SECS).unwrap();
         let mut first = request("k", new_message("pay/1", T0));
-        first.claim.ttl_secs = 60;
+        first.dedupe.ttl_secs = 60;
         assert_eq!(
             s.accept(first.clone(), T0).await.unwrap(),
             AcceptOutcome::Accepted
         );
 
         let mut before = request("k", new_message("pay/1", T0 + 59_999));
-        before.claim.ttl_secs = 60;
+        before.dedupe.ttl_secs = 60;
         assert_eq!(
             s.accept(before, T0 + 59_999).await.unwrap(),
             AcceptOutcome::Replayed {
-                response: first.claim.response.clone()
+                response: first.dedupe.response.clone()
             }
         );
         let later = T0 + 61_000;
         let mut after = request("k", new_message("pay/1", later));
-        after.claim.ttl_secs = 60;
-        after.claim.fingerprint = "another request".into();
+        after.dedupe.ttl_secs = 60;
+        after.dedupe.fingerprint = "another request".into();
         let after_id = after.message.id.clone();
         assert_eq!(
             s.accept(after, later).await.unwrap(),
@@ -2052,7 +2053,7 @@ mod sqlite_only {
                 .await
                 .unwrap(),
             AcceptOutcome::Replayed {
-                response: req.claim.response
+                response: req.dedupe.response
             }
         );
         let record = get(&s, &id).await;

@@ -1,6 +1,7 @@
 //! One HTTP delivery attempt and the classification of its outcome. Pure where it can be:
 //! [`classify`] turns what came back into what the store should do.
 
+use crate::clock::Millis;
 use std::collections::BTreeMap;
 use std::error::Error as _;
 use std::time::{Duration, UNIX_EPOCH};
@@ -10,7 +11,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use super::schedule::{Backoff, Next, next_attempt};
 use super::ssrf::{REFUSED_ADDRESS, is_forbidden};
 use crate::inbound::signature::sign_standard_webhook;
-use crate::store::{Claimed, Completion, KEPT_BODY_BYTES, Millis, ReceiverAnswer};
+use crate::store::{Completion, KEPT_BODY_BYTES, Lease, ReceiverAnswer};
 
 pub const MESSAGE_ID_HEADER: &str = "x-callbackd-message-id";
 pub const ATTEMPT_HEADER: &str = "x-callbackd-attempt";
@@ -75,7 +76,7 @@ impl Verdict {
 pub fn classify(
     result: &AttemptResult,
     backoff: Backoff,
-    claimed: &Claimed,
+    claimed: &Lease,
     now: Millis,
     jitter: f64,
 ) -> Verdict {
@@ -131,7 +132,7 @@ pub fn parse_retry_after(value: &str) -> Option<RetryAfter> {
 /// Headers of one attempt: configured ones first, then ours, which win on a clash so the
 /// receiver can always dedupe by message id.
 pub fn build_headers(
-    claimed: &Claimed,
+    claimed: &Lease,
     static_headers: &BTreeMap<String, String>,
     signing_secret: Option<&[u8]>,
     now_secs: i64,
@@ -270,8 +271,8 @@ mod tests {
     use super::*;
     use crate::store::{MessageId, MessageKind, NewMessage};
 
-    fn claimed(backoff_step: u32, deadline: Millis) -> Claimed {
-        Claimed {
+    fn claimed(backoff_step: u32, deadline: Millis) -> Lease {
+        Lease {
             message: NewMessage {
                 id: MessageId::generate(0, "k"),
                 kind: MessageKind::Notification,

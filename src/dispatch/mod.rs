@@ -11,6 +11,7 @@ pub mod delivery;
 pub mod schedule;
 pub mod ssrf;
 
+use crate::clock::Millis;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,7 +26,7 @@ use crate::clock::{Clock, format_delay, format_iso};
 use crate::config::{Config, DispatchConfig};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
-use crate::store::{Attempt, Claimed, MessageKind, Millis, Store};
+use crate::store::{Attempt, Lease, MessageKind, Store};
 use delivery::{AttemptResult, Verdict};
 use schedule::Backoff;
 
@@ -68,7 +69,7 @@ pub struct Dispatcher {
     hosts: Mutex<HashMap<String, Arc<Semaphore>>>,
     sources: HashMap<String, SourceDelivery>,
     /// Claims being delivered, so shutdown can hand their leases back.
-    in_flight: Mutex<HashMap<String, Claimed>>,
+    in_flight: Mutex<HashMap<String, Lease>>,
     wake: Arc<Notify>,
     /// Per-minute counts for the console, when the server shows them.
     stats: Option<Arc<DeliveryStats>>,
@@ -231,7 +232,7 @@ impl Dispatcher {
     }
 
     async fn release_unfinished(&self) {
-        let unfinished: Vec<Claimed> = self
+        let unfinished: Vec<Lease> = self
             .in_flight
             .lock()
             .map(|mut m| m.drain().map(|(_, c)| c).collect())
@@ -246,13 +247,13 @@ impl Dispatcher {
         }
     }
 
-    fn track(&self, c: &Claimed) {
+    fn track(&self, c: &Lease) {
         if let Ok(mut m) = self.in_flight.lock() {
             m.insert(c.message.id.to_string(), c.clone());
         }
     }
 
-    fn untrack(&self, c: &Claimed) {
+    fn untrack(&self, c: &Lease) {
         if let Ok(mut m) = self.in_flight.lock() {
             m.remove(c.message.id.as_str());
         }
@@ -286,7 +287,7 @@ impl Dispatcher {
             .ok()
     }
 
-    async fn deliver(&self, c: Claimed, _permit: OwnedSemaphorePermit) {
+    async fn deliver(&self, c: Lease, _permit: OwnedSemaphorePermit) {
         let Some(url) = c.message.target_url.clone() else {
             self.untrack(&c);
             return;
@@ -367,7 +368,7 @@ impl Dispatcher {
     /// recorded. False when the alert could not be recorded.
     async fn announce_death(
         &self,
-        c: &Claimed,
+        c: &Lease,
         attempt: &Attempt,
         verdict: Verdict,
         now: i64,
@@ -400,7 +401,7 @@ impl Dispatcher {
 
     /// Records the outcome. A store error is retried briefly; if it persists, the lease
     /// expires and the message is delivered again (at-least-once), never lost.
-    async fn settle(&self, c: &Claimed, attempt: Attempt, verdict: Verdict, now: i64) {
+    async fn settle(&self, c: &Lease, attempt: Attempt, verdict: Verdict, now: i64) {
         for backoff_ms in [0, 100, 500, 2_000] {
             tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
             match self
@@ -423,7 +424,7 @@ impl Dispatcher {
 
     fn record_metrics(
         &self,
-        c: &Claimed,
+        c: &Lease,
         result: &AttemptResult,
         verdict: Verdict,
         latency: Duration,

@@ -10,7 +10,7 @@
 //! attempt lands exactly at the deadline; after an attempt at or past the deadline, the
 //! message is dead.
 
-use super::super::store::Millis;
+use crate::clock::Millis;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backoff {

@@ -20,7 +20,7 @@ use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::clock::{RFC3339_FORMS, format_iso, parse_rfc3339};
 use crate::digest::short_hash;
-use crate::error::{ApiError, ErrorBody, ErrorCode};
+use crate::http::error::{ApiError, ErrorBody, ErrorCode};
 use crate::metrics as m;
 use crate::payment;
 use crate::store::{

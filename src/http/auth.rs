@@ -6,7 +6,7 @@ use axum::http::{HeaderMap, header};
 use subtle::ConstantTimeEq;
 
 use crate::app::App;
-use crate::error::ApiError;
+use crate::http::error::ApiError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {

@@ -1,6 +1,7 @@
 //! `POST /v1/callbacks/{source}`: verify, derive the dedupe key, claim and record in one
 //! atomic store call, and only then answer 200.
 
+use crate::clock::Millis;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,12 +18,12 @@ use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::digest::short_hash;
 use crate::dispatch::delivery::EVENT_HEADER;
-use crate::error::{ApiError, ErrorBody, ErrorCode};
+use crate::http::error::{ApiError, ErrorBody, ErrorCode};
 use crate::inbound::dedupe;
 use crate::inbound::signature::Verified;
 use crate::metrics as m;
 use crate::store::{
-    AcceptOutcome, AcceptRequest, Claim, MessageId, MessageKind, Millis, NewMessage, SignatureSeal,
+    AcceptOutcome, AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, SignatureSeal,
 };
 
 /// Longest accepted `X-Callback-Event`: event names are short constants.
@@ -135,7 +136,7 @@ async fn accept(
         deadline: now.saturating_add(max_age_ms),
     };
     let request = AcceptRequest {
-        claim: Claim {
+        dedupe: DedupeClaim {
             key: key.key,
             ttl_secs: app.config.store.dedupe_ttl_secs,
             fingerprint: String::new(),

@@ -19,7 +19,7 @@ use serde::Serialize;
 use super::auth::{Role, require};
 use crate::app::App;
 use crate::clock::format_iso;
-use crate::error::ApiError;
+use crate::http::error::ApiError;
 use crate::stats::MinuteCount;
 
 pub const CSP: &str = "default-src 'self'; base-uri 'none'; form-action 'self'; \

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use crate::app::App;
-use crate::error::{ApiError, ErrorBody};
+use crate::http::error::{ApiError, ErrorBody};
 use crate::metrics as m;
 
 /// Liveness: the process is up and serving HTTP.

@@ -1,10 +1,11 @@
 //! HTTP routers. Handlers are thin: parse and check input, call pure logic, make one store
-//! call, shape the answer. Errors are mapped to HTTP in `crate::error`.
+//! call, shape the answer. Errors are mapped to HTTP in `error.rs`.
 
 pub mod admin;
 pub mod auth;
 pub mod callbacks;
 pub mod console;
+pub mod error;
 pub mod health;
 pub mod notifications;
 pub mod openapi;
@@ -29,7 +30,7 @@ use tower_http::request_id::{
 use tower_http::trace::TraceLayer;
 
 use crate::app::App;
-use crate::error::{ApiError, ErrorCode};
+use crate::http::error::{ApiError, ErrorCode};
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";

@@ -24,11 +24,12 @@ use crate::app::App;
 use crate::clock::format_iso;
 use crate::digest::short_hash;
 use crate::dispatch::ssrf::SsrfError;
-use crate::error::{ApiError, ErrorBody, ErrorCode};
+use crate::http::error::{ApiError, ErrorBody, ErrorCode};
 use crate::metrics as m;
 use crate::payment::{self, PaymentStatus};
 use crate::store::{
-    AcceptOutcome, AcceptRequest, Claim, MessageId, MessageKind, NewMessage, PaymentTransition,
+    AcceptOutcome, AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage,
+    PaymentTransition,
 };
 
 pub const MAX_ID_LEN: usize = 256;
@@ -188,7 +189,7 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
         deadline,
     };
     let request = AcceptRequest {
-        claim: Claim {
+        dedupe: DedupeClaim {
             key: short_hash(key_tuple.to_string().as_bytes()),
             ttl_secs: app.config.store.dedupe_ttl_secs,
             // serde_json's map is ordered, so equal JSON gives equal fingerprints whatever

@@ -8,7 +8,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
 use super::{admin, callbacks, health, notifications};
-use crate::error::ErrorCode;
+use crate::http::error::ErrorCode;
 use crate::inbound::dedupe::{MAX_ID_LEN, MAX_SAFE_ID};
 use crate::store::ids::PATTERN as MESSAGE_ID;
 
@@ -28,8 +28,8 @@ use crate::store::ids::PATTERN as MESSAGE_ID;
         spec,
     ),
     components(schemas(
-        crate::error::ErrorBody,
-        crate::error::ErrorCode,
+        crate::http::error::ErrorBody,
+        crate::http::error::ErrorCode,
         crate::store::Attempt,
         crate::store::ReceiverAnswer,
         crate::store::MessageState,

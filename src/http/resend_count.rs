@@ -6,7 +6,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::app::App;
-use crate::error::ApiError;
+use crate::http::error::ApiError;
 use crate::store::{ListFilter, MessageId, MessageState};
 
 /// Shaped like a resend's answer (nothing resent, no ids) plus the count, so a client that

@@ -5,11 +5,10 @@
 //! while new messages arrive, and a time window is an id range), and the partition is inside
 //! the id, so a lookup by id needs no secondary index to find its Redis hash slot.
 
+use crate::clock::Millis;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-
-use super::Millis;
 
 /// Number of queue partitions. Each partition is one Redis hash tag (one cluster slot), so
 /// all keys a script touches live together; workers claim from all of them.

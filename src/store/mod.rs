@@ -24,8 +24,7 @@ use utoipa::ToSchema;
 
 pub use ids::MessageId;
 
-/// Milliseconds since the Unix epoch.
-pub type Millis = i64;
+use crate::clock::Millis;
 
 /// How long a payment's status outlives its last transition when the config says nothing:
 /// 400 days, past any refund or chargeback window, so a refund on day 31 still finds the
@@ -136,7 +135,7 @@ pub struct NewMessage {
 /// A dedupe claim: the key is already hashed and scoped, and the response is what every
 /// replay of this key gets back, byte for byte.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Claim {
+pub struct DedupeClaim {
     /// Lives in the partition of the message's ordering key (on Redis, its hash slot), so a
     /// key must always come with the same ordering key: true for callbacks (the id is in
     /// both) and for notifications (keys are scoped to the payment).
@@ -171,7 +170,7 @@ pub struct SignatureSeal {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AcceptRequest {
-    pub claim: Claim,
+    pub dedupe: DedupeClaim,
     pub message: NewMessage,
     pub payment: Option<PaymentTransition>,
     /// Inbound callbacks of a signed source; `None` for notifications and unsigned sources.
@@ -180,7 +179,7 @@ pub struct AcceptRequest {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum AcceptOutcome {
-    /// Claimed and recorded now.
+    /// Lease and recorded now.
     Accepted,
     /// The key was claimed before: the stored response, unchanged.
     Replayed { response: String },
@@ -268,7 +267,7 @@ impl ReceiverAnswer {
 
 /// A message leased to a worker.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Claimed {
+pub struct Lease {
     pub message: NewMessage,
     /// Lease token: `complete` and `release` with a stale token are ignored, so a worker whose
     /// lease expired cannot overwrite the outcome of the worker that took over.
@@ -407,13 +406,13 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
         limit: usize,
         lease_ms: u64,
-    ) -> Result<Vec<Claimed>, StoreError>;
+    ) -> Result<Vec<Lease>, StoreError>;
 
     /// Records a delivery attempt and its consequence. Returns false when the lease was lost
     /// (token stale), in which case nothing changed.
     async fn complete(
         &self,
-        claimed: &Claimed,
+        claimed: &Lease,
         attempt: Attempt,
         completion: Completion,
         now: Millis,
@@ -421,7 +420,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Gives a lease back without recording an attempt (shutdown, or the host is busy): the
     /// message is due again at `next_at`.
-    async fn release(&self, claimed: &Claimed, next_at: Millis) -> Result<bool, StoreError>;
+    async fn release(&self, claimed: &Lease, next_at: Millis) -> Result<bool, StoreError>;
 
     async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError>;
 

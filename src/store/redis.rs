@@ -21,6 +21,7 @@
 //! history and index entries). Redis TTLs on the string keys bound memory even without a
 //! sweeper. The schema version is `cb:schema`; [`RedisStore::connect`] upgrades older layouts.
 
+use crate::clock::Millis;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -32,8 +33,8 @@ use redis::{AsyncCommands, Script, Value};
 use super::ids::{PARTITIONS, partition_of};
 use super::redis_upgrade;
 use super::{
-    AcceptOutcome, AcceptRequest, Attempt, Claimed, Completion, DEFAULT_PAYMENT_RETENTION_SECS,
-    HISTORY_TAIL, ListFilter, MessageId, MessageRecord, MessageState, Millis, NewMessage,
+    AcceptOutcome, AcceptRequest, Attempt, Completion, DEFAULT_PAYMENT_RETENTION_SECS,
+    HISTORY_TAIL, Lease, ListFilter, MessageId, MessageRecord, MessageState, NewMessage,
     OperationReservation, Page, QueueDepth, ResendEffect, SWEEP_LIMIT, Store, StoreError,
     matches_filter,
 };
@@ -526,11 +527,11 @@ fn spread(limit: usize, available: &[usize], start: usize) -> Vec<usize> {
     }
 }
 
-fn parse_claimed(row: Value) -> Result<Claimed, StoreError> {
+fn parse_claimed(row: Value) -> Result<Lease, StoreError> {
     let (rec, token, tries, rb, deadline): (String, u64, u32, u32, Millis) =
         redis::from_redis_value(row).map_err(corrupt)?;
     let message: NewMessage = serde_json::from_str(&rec).map_err(corrupt)?;
-    Ok(Claimed {
+    Ok(Lease {
         message,
         token,
         attempts: tries,
@@ -566,7 +567,7 @@ impl Store for RedisStore {
         let reply: Vec<String> = self
             .scripts
             .accept
-            .key(keys.dedupe(&req.claim.key))
+            .key(keys.dedupe(&req.dedupe.key))
             .key(keys.message(&msg.id))
             .key(keys.queue(&msg.ordering_key))
             .key(keys.due())
@@ -576,9 +577,9 @@ impl Store for RedisStore {
             .key(payment_key)
             .key(keys.expiry())
             .key(seal_key)
-            .arg(req.claim.ttl_secs)
-            .arg(&req.claim.fingerprint)
-            .arg(&req.claim.response)
+            .arg(req.dedupe.ttl_secs)
+            .arg(&req.dedupe.fingerprint)
+            .arg(&req.dedupe.response)
             .arg(msg.id.as_str())
             .arg(record)
             .arg(now)
@@ -612,7 +613,7 @@ impl Store for RedisStore {
         now: Millis,
         limit: usize,
         lease_ms: u64,
-    ) -> Result<Vec<Claimed>, StoreError> {
+    ) -> Result<Vec<Lease>, StoreError> {
         if limit == 0 {
             return Ok(Vec::new());
         }
@@ -638,7 +639,7 @@ impl Store for RedisStore {
 
     async fn complete(
         &self,
-        claimed: &Claimed,
+        claimed: &Lease,
         attempt: Attempt,
         completion: Completion,
         now: Millis,
@@ -678,7 +679,7 @@ impl Store for RedisStore {
         Ok(done == 1)
     }
 
-    async fn release(&self, claimed: &Claimed, next_at: Millis) -> Result<bool, StoreError> {
+    async fn release(&self, claimed: &Lease, next_at: Millis) -> Result<bool, StoreError> {
         let id = &claimed.message.id;
         let keys = Keys::of_id(id);
         let mut conn = self.conn.clone();

@@ -12,12 +12,13 @@
 //! it has no member yet), so an upgrade cut short by a crash is simply run again. The version
 //! key is written last. Old processes must be stopped first: they would keep writing v1.
 
+use crate::clock::Millis;
 use std::collections::HashMap;
 
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Value};
 
-use super::{HISTORY_TAIL, MessageState, Millis, NewMessage, StoreError};
+use super::{HISTORY_TAIL, MessageState, NewMessage, StoreError};
 use crate::digest::short_hash;
 
 /// Keys read per SCAN step and per pipeline.

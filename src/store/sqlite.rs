@@ -32,6 +32,7 @@
 //! Where Redis expires keys in real time, rows carry `expires_at` computed from the caller's
 //! `now`, are ignored once past it, and are deleted in bounded batches by the writer.
 
+use crate::clock::Millis;
 use std::fs::{self, File, TryLockError};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -46,8 +47,8 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, params, para
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    AcceptOutcome, AcceptRequest, Attempt, Claimed, Completion, DEFAULT_PAYMENT_RETENTION_SECS,
-    HISTORY_TAIL, ListFilter, MessageId, MessageRecord, MessageState, Millis, NewMessage,
+    AcceptOutcome, AcceptRequest, Attempt, Completion, DEFAULT_PAYMENT_RETENTION_SECS,
+    HISTORY_TAIL, Lease, ListFilter, MessageId, MessageRecord, MessageState, NewMessage,
     OperationReservation, Page, QueueDepth, ResendEffect, SWEEP_LIMIT, Store, StoreError,
     matches_filter,
 };
@@ -902,7 +903,7 @@ fn accept_tx(
             return Ok(AcceptOutcome::Replayed { response });
         }
     }
-    let claim = &req.claim;
+    let claim = &req.dedupe;
     let existing: Option<(String, String)> = conn
         .prepare_cached(
             "SELECT fingerprint, response FROM claims WHERE key = ?1 AND expires_at > ?2",
@@ -1019,7 +1020,7 @@ fn claim_tx(
     now: Millis,
     limit: usize,
     lease_ms: u64,
-) -> Result<Vec<Claimed>, StoreError> {
+) -> Result<Vec<Lease>, StoreError> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let lease_until = now.saturating_add(i64::try_from(lease_ms).unwrap_or(i64::MAX));
     // Expired leases (their worker died) are due again, now. They stay `in_flight` until
@@ -1061,7 +1062,7 @@ fn claim_tx(
         let token = token.saturating_add(1);
         lease.execute(params![id, token, lease_until]).db()?;
         let message: NewMessage = serde_json::from_str(&rec).map_err(corrupt)?;
-        claimed.push(Claimed {
+        claimed.push(Lease {
             message,
             token: u64::try_from(token).map_err(corrupt)?,
             attempts: tries,
@@ -1129,7 +1130,7 @@ fn record_history(conn: &Connection, id: &str, row: &str) -> Result<(), StoreErr
 /// complete.lua
 fn complete_tx(
     conn: &Connection,
-    claimed: &Claimed,
+    claimed: &Lease,
     attempt: &str,
     completion: Completion,
     now: Millis,
@@ -1196,7 +1197,7 @@ fn complete_tx(
 }
 
 /// release.lua
-fn release_tx(conn: &Connection, claimed: &Claimed, next_at: Millis) -> Result<bool, StoreError> {
+fn release_tx(conn: &Connection, claimed: &Lease, next_at: Millis) -> Result<bool, StoreError> {
     let id = claimed.message.id.as_str();
     let Some(cur) = current(conn, id)? else {
         return Ok(false);
@@ -1469,7 +1470,7 @@ impl Store for SqliteStore {
         now: Millis,
         limit: usize,
         lease_ms: u64,
-    ) -> Result<Vec<Claimed>, StoreError> {
+    ) -> Result<Vec<Lease>, StoreError> {
         if limit == 0 {
             return Ok(Vec::new());
         }
@@ -1479,7 +1480,7 @@ impl Store for SqliteStore {
 
     async fn complete(
         &self,
-        claimed: &Claimed,
+        claimed: &Lease,
         attempt: Attempt,
         completion: Completion,
         now: Millis,
@@ -1493,7 +1494,7 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn release(&self, claimed: &Claimed, next_at: Millis) -> Result<bool, StoreError> {
+    async fn release(&self, claimed: &Lease, next_at: Millis) -> Result<bool, StoreError> {
         let claimed = claimed.clone();
         self.write(None, move |conn| release_tx(conn, &claimed, next_at))
             .await
