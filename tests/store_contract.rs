@@ -78,7 +78,12 @@ impl Harness {
             Backend::Sqlite { path, .. } => {
                 let conn = rusqlite::Connection::open(path).expect("open for counting");
                 [
-                    "claims", "payments", "messages", "queue", "attempts", "seals",
+                    "dedupe_claims",
+                    "payments",
+                    "messages",
+                    "queue",
+                    "attempts",
+                    "seals",
                 ]
                 .iter()
                 .map(|t| {
@@ -1942,6 +1947,352 @@ mod sqlite_only {
             backend: Backend::Sqlite { _dir: dir, path },
         };
         the_upgraded_fixture_keeps_its_data(&h, written_at + 5_000).await;
+    }
+
+    /// Layout version 2, written by the store of commit acd07d8 on a virtual clock starting at
+    /// `T0` (tests/fixtures/make_sqlite_v2.rs tells what happened when). Its columns are
+    /// renamed on open; every record, history, claim, payment state, seal and operation is
+    /// still there, and every message goes on from where it was.
+    #[tokio::test]
+    async fn a_second_release_database_is_migrated_in_place() {
+        const HOUR_MS: Millis = 3_600_000;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cb.db");
+        std::fs::copy("tests/fixtures/sqlite_v2.db", &path).unwrap();
+        assert_eq!(user_version(&path), 2, "the fixture is layout version 2");
+        let s = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let columns = columns_of(&path, "messages");
+        for old in ["rec", "rb", "resume", "again", "lease", "tries"] {
+            assert!(!columns.iter().any(|c| c == old), "{old} in {columns:?}");
+        }
+
+        let now = T0 + 10_000;
+        let all = list_all(
+            &s,
+            ListFilter {
+                limit: 100,
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(all.len(), 11);
+        let of_key = |key: &str| -> Vec<MessageRecord> {
+            all.iter()
+                .filter(|r| r.message.ordering_key == key)
+                .cloned()
+                .collect()
+        };
+        let one = |key: &str| -> MessageRecord {
+            let [record] = &of_key(key)[..] else {
+                panic!("{key}: {:?}", of_key(key));
+            };
+            record.clone()
+        };
+        let statuses = |r: &MessageRecord| r.history.iter().map(|a| a.status).collect::<Vec<_>>();
+        let kinds = |r: &MessageRecord| {
+            r.history
+                .iter()
+                .map(|a| a.kind.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+
+        let delivered = get(&s, &one("v2/delivered").message.id).await;
+        assert_eq!(delivered.state, MessageState::Delivered);
+        assert_eq!(statuses(&delivered), [Some(503), Some(200)]);
+        assert_eq!(
+            (delivered.history_total, delivered.delivery_attempts),
+            (2, 2)
+        );
+        let dead = get(&s, &one("v2/dead").message.id).await;
+        assert_eq!(dead.state, MessageState::Dead);
+        assert_eq!(statuses(&dead), [Some(410)]);
+        let retrying = get(&s, &one("v2/retrying").message.id).await;
+        assert_eq!(retrying.state, MessageState::Pending);
+        assert_eq!(retrying.next_attempt_at, Some(T0 + HOUR_MS));
+        assert_eq!(retrying.delivery_attempts, 1);
+        let expedited = get(&s, &one("v2/expedited").message.id).await;
+        assert_eq!(expedited.next_attempt_at, Some(T0 + 900));
+        assert_eq!(kinds(&expedited), "delivery,resend");
+        let requeued = get(&s, &one("v2/requeued").message.id).await;
+        assert_eq!(requeued.state, MessageState::Pending);
+        assert_eq!(requeued.next_attempt_at, Some(T0 + 900));
+        assert_eq!(requeued.deadline, T0 + 900 + 7 * DAY_MS);
+        assert_eq!(kinds(&requeued), "delivery,resend");
+        let leased = one("v2/leased");
+        assert_eq!(leased.state, MessageState::InFlight);
+        let leased_resent = get(&s, &one("v2/leased-resent").message.id).await;
+        assert_eq!(leased_resent.state, MessageState::InFlight);
+        assert_eq!(leased_resent.deadline, T0 + 800 + 7 * DAY_MS);
+        assert_eq!(kinds(&leased_resent), "resend");
+        let fresh = one("v2/fresh");
+        assert_eq!(fresh.state, MessageState::Pending);
+        assert_eq!(fresh.next_attempt_at, Some(T0 + 1_000));
+        let payments = of_key(&payment::ordering_key("pay-v2"));
+        let [pay1, pay2] = &payments[..] else {
+            panic!("pay-v2: {payments:?}");
+        };
+        assert_eq!(
+            (
+                pay1.state,
+                pay1.next_attempt_at,
+                pay2.state,
+                pay2.next_attempt_at
+            ),
+            (
+                MessageState::Pending,
+                Some(T0 + 1_000),
+                MessageState::Pending,
+                None
+            ),
+            "only the head of the payment's queue is due"
+        );
+        let recorded = one("src/payzu/tx-v2");
+        assert_eq!(recorded.state, MessageState::Recorded);
+        assert_eq!(
+            s.depth().await.unwrap(),
+            QueueDepth {
+                pending: 6,
+                in_flight: 2,
+                dead: 1
+            }
+        );
+        assert_eq!(
+            s.oldest_unfinished().await.unwrap().as_ref(),
+            Some(&requeued.message.id)
+        );
+
+        // Every acknowledged request still replays its first answer, or conflicts.
+        let answer = |id: &MessageId| format!(r#"{{"messageId":"{id}"}}"#);
+        for record in all
+            .iter()
+            .filter(|r| r.message.ordering_key.starts_with("v2/"))
+        {
+            let key = &record.message.ordering_key;
+            let mut retry = request(&format!("claim/{key}"), new_message(key, now));
+            assert_eq!(
+                s.accept(retry.clone(), now).await.unwrap(),
+                AcceptOutcome::Replayed {
+                    response: answer(&record.message.id)
+                },
+                "{key}"
+            );
+            retry.dedupe.fingerprint = "another request".into();
+            assert_eq!(s.accept(retry, now).await.unwrap(), AcceptOutcome::Conflict);
+        }
+        assert_eq!(
+            s.accept(notification("pay-v2", "settled", &["approved"], now), now)
+                .await
+                .unwrap(),
+            AcceptOutcome::Replayed {
+                response: answer(&pay2.message.id)
+            }
+        );
+        assert_eq!(
+            s.accept(notification("pay-v2", "refunded", &["approved"], now), now)
+                .await
+                .unwrap(),
+            AcceptOutcome::InvalidTransition {
+                from: "settled".into()
+            }
+        );
+        assert_eq!(
+            s.payment_status("pay-v2", now).await.unwrap().as_deref(),
+            Some("settled")
+        );
+        // The seal answers the same signature under any other claim key.
+        assert_eq!(
+            s.accept(sealed("another/claim", "seal/v2", T0 + 300_000, now), now)
+                .await
+                .unwrap(),
+            AcceptOutcome::Replayed {
+                response: answer(&recorded.message.id)
+            }
+        );
+        for (key, fingerprint, found) in [
+            (
+                "op/v2-done",
+                "fp-op",
+                OperationReservation::Done(r#"{"resent":1}"#.into()),
+            ),
+            ("op/v2-running", "fp-op", OperationReservation::InProgress),
+            ("op/v2-running", "fp-other", OperationReservation::Mismatch),
+        ] {
+            assert_eq!(
+                s.reserve_operation(key, fingerprint, 3600).await.unwrap(),
+                found,
+                "{key}"
+            );
+        }
+
+        // The due messages are claimed, with their counts and lease tokens carried over.
+        let leases = claim_exactly(
+            &s,
+            now,
+            &[
+                &fresh.message.id,
+                &expedited.message.id,
+                &requeued.message.id,
+                &pay1.message.id,
+            ],
+        )
+        .await;
+        let lease_of = |id: &MessageId| {
+            leases
+                .iter()
+                .find(|l| l.message.id == *id)
+                .expect("leased")
+                .clone()
+        };
+        let requeued_lease = lease_of(&requeued.message.id);
+        assert_eq!(
+            (
+                requeued_lease.token,
+                requeued_lease.attempts,
+                requeued_lease.backoff_step
+            ),
+            (2, 1, 0),
+            "a resend of a finished message starts its backoff over"
+        );
+        let expedited_lease = lease_of(&expedited.message.id);
+        assert_eq!(
+            (expedited_lease.attempts, expedited_lease.backoff_step),
+            (1, 1)
+        );
+        assert_eq!(lease_of(&fresh.message.id).token, 1);
+
+        // The expedited attempt fails: the schedule resumes at the time the resend moved.
+        let next_at = Completion::Retry {
+            next_at: now + 1_000,
+        };
+        assert!(complete(&s, &expedited_lease, next_at, now).await);
+        assert_eq!(
+            get(&s, &expedited.message.id).await.next_attempt_at,
+            Some(T0 + 2 * HOUR_MS)
+        );
+        for id in [&fresh.message.id, &requeued.message.id, &pay1.message.id] {
+            assert!(complete(&s, &lease_of(id), Completion::Delivered, now).await);
+        }
+        let pay2_lease = claim_one(&s, now + 1, &pay2.message.id).await;
+        assert!(complete(&s, &pay2_lease, Completion::Delivered, now + 1).await);
+
+        // The lease taken before the upgrade still finishes its attempt; the resend that
+        // arrived meanwhile delivers once more.
+        let old_lease = Lease {
+            message: leased_resent.message.clone(),
+            token: 1,
+            attempts: 0,
+            backoff_step: 0,
+            deadline: leased_resent.deadline,
+        };
+        assert!(complete(&s, &old_lease, Completion::Delivered, now + 2).await);
+        let again = claim_one(&s, now + 2, &leased_resent.message.id).await;
+        assert_eq!((again.token, again.attempts), (2, 1));
+        assert!(complete(&s, &again, Completion::Delivered, now + 3).await);
+
+        // The other lease runs out at T0 + 30.7 s and is taken over with a new token.
+        let taken_over = claim_one(&s, T0 + 31_000, &leased.message.id).await;
+        assert_eq!(taken_over.token, 2);
+        assert!(complete(&s, &taken_over, Completion::Dead, T0 + 31_000).await);
+        assert_eq!(
+            s.depth().await.unwrap(),
+            QueueDepth {
+                pending: 2,
+                in_flight: 0,
+                dead: 2
+            }
+        );
+    }
+
+    /// Databases upgraded from either older layout have exactly the tables, columns and
+    /// indexes of a new one (schema.sql), so no engine code has to care where a file came from.
+    #[tokio::test]
+    async fn upgraded_layouts_equal_a_new_one() {
+        let layout = |fixture: Option<&str>| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("cb.db");
+            if let Some(fixture) = fixture {
+                std::fs::copy(fixture, &path).unwrap();
+            }
+            drop(SqliteStore::open(&path, RETENTION_SECS).unwrap());
+            describe_schema(&path)
+        };
+        let new = layout(None);
+        assert!(
+            new.iter().any(|line| line.contains("message_json")),
+            "{new:#?}"
+        );
+        for fixture in ["tests/fixtures/sqlite_v1.db", "tests/fixtures/sqlite_v2.db"] {
+            assert_eq!(layout(Some(fixture)), new, "{fixture}");
+        }
+    }
+
+    fn user_version(path: &std::path::Path) -> i64 {
+        rusqlite::Connection::open(path)
+            .unwrap()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    fn columns_of(path: &std::path::Path, table: &str) -> Vec<String> {
+        rusqlite::Connection::open(path)
+            .unwrap()
+            .prepare("SELECT name FROM pragma_table_info(?1)")
+            .unwrap()
+            .query_map([table], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    /// One line per table column and per index, with the version: what two databases must
+    /// share to be the same layout. Index statements are compared without quotes and spacing
+    /// (SQLite quotes a renamed column in the statement it keeps).
+    fn describe_schema(path: &std::path::Path) -> Vec<String> {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        let objects: Vec<(String, String, String)> = conn
+            .prepare(
+                "SELECT type, name, sql FROM sqlite_master \
+                 WHERE sql IS NOT NULL AND name NOT LIKE 'sqlite_%' ORDER BY type, name",
+            )
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let mut lines = vec![format!("version {}", user_version(path))];
+        for (kind, name, sql) in objects {
+            if kind == "index" {
+                let sql = sql.replace('"', "");
+                lines.push(sql.split_whitespace().collect::<Vec<_>>().join(" "));
+                continue;
+            }
+            lines.push(format!(
+                "{kind} {name} without_rowid={}",
+                sql.contains("WITHOUT ROWID")
+            ));
+            let mut columns = conn
+                .prepare(
+                    "SELECT name, type, \"notnull\", dflt_value, pk FROM pragma_table_info(?1)",
+                )
+                .unwrap();
+            let columns = columns
+                .query_map([&name], |r| {
+                    Ok(format!(
+                        "  {name}.{} {} notnull={} default={:?} pk={}",
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, i64>(2)?,
+                        r.get::<_, Option<String>>(3)?,
+                        r.get::<_, i64>(4)?
+                    ))
+                })
+                .unwrap();
+            for column in columns {
+                lines.push(column.unwrap());
+            }
+        }
+        lines
     }
 
     fn fresh() -> (tempfile::TempDir, PathBuf) {

@@ -1,0 +1,107 @@
+//! The layout version (`PRAGMA user_version`) and the upgrades from older layouts.
+//!
+//! A new database gets `schema.sql` at once. One written by an older callbackd is upgraded in
+//! place, one version per transaction, so a crash mid-upgrade leaves a consistent older
+//! version that the next start upgrades again. A database newer than this binary is refused:
+//! its columns may mean things this code does not know.
+//!
+//! | version | written by | upgrade |
+//! |---|---|---|
+//! | 1 | the first release | seals, history counts, histories trimmed, payments kept longer |
+//! | 2 | up to commit acd07d8 | columns named after what they hold (Lua-derived before) |
+//! | 3 | now | `schema.sql` |
+
+use rusqlite::{Connection, params};
+
+use super::error::Db;
+use crate::store::StoreError;
+
+/// The layout `schema.sql` creates.
+pub(super) const VERSION: i64 = 3;
+
+const SCHEMA: &str = include_str!("schema.sql");
+
+/// Version 1 → 2. Version 1 expired payment states with their dedupe claims, and kept every
+/// history row.
+const TO_V2: &str = r#"
+CREATE TABLE seals (
+    key        TEXT PRIMARY KEY NOT NULL,
+    response   TEXT NOT NULL,
+    expires_at INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX seals_by_expiry ON seals (expires_at);
+
+ALTER TABLE messages ADD COLUMN history_total INTEGER NOT NULL DEFAULT 0;
+UPDATE messages SET history_total =
+    (SELECT count(*) FROM attempts WHERE attempts.message_id = messages.id);
+
+-- Version 1 kept every row: keep the first and the latest 100 of each message.
+DELETE FROM attempts WHERE seq IN (
+    SELECT seq FROM (
+        SELECT seq,
+               row_number() OVER (PARTITION BY message_id ORDER BY seq) AS n,
+               count(*) OVER (PARTITION BY message_id) AS total
+        FROM attempts
+    ) WHERE n > 1 AND n <= total - 100
+);
+"#;
+
+/// Version 2 → 3: the names the Redis hash fields had (`rec`, `rb`, `resume`, `again`...)
+/// become names that say what the columns hold. Renames only: no row changes.
+const TO_V3: &str = r#"
+ALTER TABLE messages RENAME COLUMN rec TO message_json;
+ALTER TABLE messages RENAME COLUMN tries TO delivery_attempts;
+ALTER TABLE messages RENAME COLUMN rb TO attempts_before_requeue;
+ALTER TABLE messages RENAME COLUMN lease TO lease_token;
+ALTER TABLE messages RENAME COLUMN resume TO resume_at;
+ALTER TABLE messages RENAME COLUMN again TO deliver_again;
+ALTER TABLE queue RENAME COLUMN pos TO position;
+ALTER TABLE attempts RENAME COLUMN "row" TO attempt_json;
+ALTER TABLE claims RENAME TO dedupe_claims;
+DROP INDEX claims_by_expiry;
+CREATE INDEX dedupe_claims_by_expiry ON dedupe_claims (expires_at);
+"#;
+
+/// Brings the database to [`VERSION`]. `payment_extension_ms`: how much longer payment states
+/// live now than in version 1, where they expired with the dedupe claims.
+pub(super) fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<(), StoreError> {
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .db()?;
+    if version > VERSION {
+        return Err(StoreError::Unavailable(format!(
+            "schema version {version} is newer than this callbackd understands ({VERSION}); \
+             run a newer callbackd"
+        )));
+    }
+    if version <= 0 {
+        return step(conn, VERSION, |tx| tx.execute_batch(SCHEMA).db());
+    }
+    if version < 2 {
+        step(conn, 2, |tx| {
+            tx.execute_batch(TO_V2).db()?;
+            tx.execute(
+                "UPDATE payments SET expires_at = expires_at + ?1",
+                params![payment_extension_ms],
+            )
+            .db()
+            .map(|_| ())
+        })?;
+    }
+    if version < 3 {
+        step(conn, 3, |tx| tx.execute_batch(TO_V3).db())?;
+    }
+    Ok(())
+}
+
+/// Runs one upgrade and stamps its version in the same transaction.
+fn step(
+    conn: &Connection,
+    to: i64,
+    upgrade: impl FnOnce(&Connection) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    let tx = conn.unchecked_transaction().db()?;
+    upgrade(&tx)?;
+    tx.pragma_update(None, "user_version", to).db()?;
+    tx.commit().db()
+}
