@@ -1888,6 +1888,43 @@ mod redis_only {
             "TTL {ttl}, expected about {TTL_SECS}"
         );
     }
+
+    /// A server that lost its script cache (a restart, a failover) still runs every script,
+    /// called alone (accept, complete, resend) or pipelined over the partitions (claim, sweep).
+    #[tokio::test]
+    async fn scripts_the_server_lost_are_loaded_again() {
+        let h = Harness::redis().await;
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let flush = || assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+        flush();
+        let first = accept_new(h.s(), "pay/flush-1", T0).await;
+        flush();
+        let second = accept_new(h.s(), "pay/flush-2", T0).await;
+        flush();
+        let leased = h.s().claim_due(T0, 10, LEASE_MS).await.unwrap();
+        let ids: BTreeSet<MessageId> = ids_of(&leased).into_iter().collect();
+        assert_eq!(ids, BTreeSet::from([first, second]));
+        flush();
+        let done = h
+            .s()
+            .complete(&leased[0], delivery(1, T0, 200), Completion::Delivered, T0)
+            .await
+            .unwrap();
+        assert!(done);
+        flush();
+        let delivered = &leased[0].message.id;
+        let mark = resend_mark(T0);
+        let effect = h
+            .s()
+            .resend(delivered, mark, T0 + DAY_MS, T0)
+            .await
+            .unwrap();
+        assert_eq!(effect, ResendEffect::Requeued);
+        flush();
+        assert_eq!(h.s().sweep(T0).await.unwrap(), 0);
+    }
 }
 
 mod sqlite_only {

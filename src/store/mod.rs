@@ -12,7 +12,6 @@
 
 pub mod ids;
 pub mod redis;
-mod redis_upgrade;
 pub mod sqlite;
 pub mod sweeper;
 

@@ -1,3 +1,4 @@
+-- Implements store::lifecycle::resend (src/store/lifecycle.rs).
 -- Orders one more delivery of a message and records the operator's mark.
 -- KEYS: 1 message hash, 2 attempts list, 3 due zset, 4 ordering queue, 5 pending index,
 --       6 delivered index, 7 dead index, 8 expiry index

@@ -1,3 +1,4 @@
+-- Implements store::lifecycle::sweep (src/store/lifecycle.rs).
 -- Deletes what expired in one partition: everything whose expiry-index score is past `now`.
 -- KEYS: 1 expiry index, 2 index of all, 3 delivered index, 4 dead index, 5 recorded index
 -- ARGV: 1 now ms, 2 limit, 3 partition prefix

@@ -1,3 +1,4 @@
+-- Implements store::lifecycle::release (src/store/lifecycle.rs).
 -- Gives a lease back without recording an attempt (shutdown, busy host).
 -- KEYS: 1 message hash, 2 lease zset, 3 due zset, 4 in_flight index, 5 pending index
 -- ARGV: 1 id, 2 lease token, 3 next attempt ms

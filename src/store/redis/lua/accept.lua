@@ -1,3 +1,4 @@
+-- Implements store::lifecycle::accept (src/store/lifecycle.rs).
 -- Claims a dedupe key and records a message in one atomic step.
 -- KEYS: 1 dedupe, 2 message hash, 3 ordering queue, 4 due zset, 5 index of all,
 --       6 index of the initial state, 7 index of the ordering key, 8 payment status,

@@ -1,3 +1,5 @@
+-- Implements store::lifecycle::claim and store::lifecycle::expire_lease
+-- (src/store/lifecycle.rs).
 -- Leases due messages of one partition; expired leases (dead workers) are due again first.
 -- KEYS: 1 due zset, 2 lease zset, 3 pending index, 4 in_flight index
 -- ARGV: 1 now ms, 2 limit, 3 lease ms, 4 partition key prefix, 5 '1' to time leases by

@@ -1,3 +1,4 @@
+-- Implements store::lifecycle::complete (src/store/lifecycle.rs).
 -- Records a delivery attempt and its consequence, if the caller still holds the lease.
 -- KEYS: 1 message hash, 2 attempts list, 3 lease zset, 4 due zset, 5 ordering queue,
 --       6 in_flight index, 7 pending index, 8 index of the final state (delivered/dead),

@@ -1,0 +1,416 @@
+//! The state changes: each builds the call of its Lua script (`lua/`, whose header lists the
+//! `KEYS` and `ARGV` in the order given here) and decodes the reply. Resend operations are
+//! plain commands: they belong to no message.
+
+use std::sync::atomic::Ordering;
+
+use redis::{Cmd, Script, Value};
+
+use super::keys::{self, Keys};
+use super::{RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
+use crate::clock::Millis;
+use crate::store::{
+    AcceptOutcome, AcceptRequest, Attempt, Completion, HISTORY_TAIL, Lease, MessageId,
+    MessageState, OperationReservation, ResendEffect, SWEEP_LIMIT, StoreError, decode_operation,
+    encode_finished_operation, encode_running_operation,
+};
+
+/// The scripts, compiled in. History appends are shared Lua, prepended to the scripts that
+/// append.
+pub(super) struct Scripts {
+    accept: Script,
+    claim: Script,
+    complete: Script,
+    release: Script,
+    resend: Script,
+    sweep: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Scripts {
+        Scripts {
+            accept: Script::new(include_str!("lua/accept.lua")),
+            claim: Script::new(include_str!("lua/claim.lua")),
+            complete: Script::new(concat!(
+                include_str!("lua/history.lua"),
+                include_str!("lua/complete.lua")
+            )),
+            release: Script::new(include_str!("lua/release.lua")),
+            resend: Script::new(concat!(
+                include_str!("lua/history.lua"),
+                include_str!("lua/resend.lua")
+            )),
+            sweep: Script::new(include_str!("lua/sweep.lua")),
+        }
+    }
+}
+
+pub(super) async fn accept(
+    store: &RedisStore,
+    req: &AcceptRequest,
+    now: Millis,
+) -> Result<AcceptOutcome, StoreError> {
+    let msg = &req.message;
+    let keys = Keys::of_id(&msg.id);
+    let initial = if msg.target_url.is_some() {
+        MessageState::Pending
+    } else {
+        MessageState::Recorded
+    };
+    // Without a payment or a seal the script still gets a key (one that is never written), so
+    // the KEYS keep their positions.
+    let (payment_key, to, allowed) = match &req.payment {
+        Some(p) => (
+            keys.payment(&p.payment_id),
+            p.to.clone(),
+            p.allowed_from.join(" "),
+        ),
+        None => (keys.payment(""), String::new(), String::new()),
+    };
+    let (seal_key, seal_until) = match &req.seal {
+        Some(seal) => (keys.seal(&seal.key), seal.expires_at.to_string()),
+        None => (keys.seal(""), String::new()),
+    };
+    let script = &store.scripts.accept;
+    let mut call = script_call(
+        script,
+        &[
+            keys.dedupe(&req.dedupe.key),
+            keys.message(&msg.id),
+            keys.queue(&msg.ordering_key),
+            keys.due(),
+            keys.index(None),
+            keys.index(Some(initial)),
+            keys.index_of_key(&msg.ordering_key),
+            payment_key,
+            keys.expiry(),
+            seal_key,
+        ],
+    );
+    call.arg(req.dedupe.ttl_secs)
+        .arg(&req.dedupe.fingerprint)
+        .arg(&req.dedupe.response)
+        .arg(msg.id.as_str())
+        .arg(to_json(msg)?)
+        .arg(now)
+        .arg(msg.deadline)
+        .arg(initial.as_str())
+        .arg(to)
+        .arg(allowed)
+        .arg(store.payment_retention_secs)
+        .arg(store.retention_secs)
+        .arg(seal_until)
+        .arg(keys.prefix())
+        .arg(keys::key_hash(&msg.ordering_key));
+    let reply: Vec<String> = store.eval(script, &call).await?;
+    match reply.as_slice() {
+        [ok] if ok == "ok" => Ok(AcceptOutcome::Accepted),
+        [dup, response] if dup == "dup" => Ok(AcceptOutcome::Replayed {
+            response: response.clone(),
+        }),
+        [c] if c == "conflict" => Ok(AcceptOutcome::Conflict),
+        [t, from] if t == "transition" => {
+            Ok(AcceptOutcome::InvalidTransition { from: from.clone() })
+        }
+        other => Err(corrupt(format!("accept script answered {other:?}"))),
+    }
+}
+
+pub(super) async fn claim(
+    store: &RedisStore,
+    now: Millis,
+    limit: usize,
+    lease_ms: u64,
+) -> Result<Vec<Lease>, StoreError> {
+    if limit == 0 {
+        return Ok(Vec::new());
+    }
+    // Asking every partition for `limit / PARTITIONS` (rounded up) would lease up to
+    // PARTITIONS messages when asked for one, and a caller sizes `limit` to its free
+    // workers. So first count what each partition has, then ask each for its share.
+    let available = claimable_per_partition(store, now).await?;
+    let start = store.next_claim_start.fetch_add(1, Ordering::Relaxed);
+    let quotas = spread(limit, &available, start);
+    if quotas.iter().all(|q| *q == 0) {
+        return Ok(Vec::new());
+    }
+    // One call per partition with a share, all in one round trip.
+    let script = &store.scripts.claim;
+    let mut pipe = redis::pipe();
+    for (keys, quota) in Keys::all().zip(quotas) {
+        if quota == 0 {
+            continue;
+        }
+        let mut call = script_call(
+            script,
+            &[
+                keys.due(),
+                keys.lease(),
+                keys.index(Some(MessageState::Pending)),
+                keys.index(Some(MessageState::InFlight)),
+            ],
+        );
+        call.arg(now)
+            .arg(quota)
+            .arg(lease_ms)
+            .arg(keys.prefix())
+            .arg(if store.store_clock_leases { "1" } else { "0" });
+        pipe.add_command(call);
+    }
+    let pages: Vec<Vec<Value>> = store.eval(script, &pipe).await?;
+    pages.into_iter().flatten().map(decode_lease).collect()
+}
+
+/// How many messages each partition could hand out at `now`: due heads plus expired leases
+/// (which claim.lua makes due again first). One pipelined round trip.
+async fn claimable_per_partition(
+    store: &RedisStore,
+    now: Millis,
+) -> Result<Vec<usize>, StoreError> {
+    let lease_now = if store.store_clock_leases {
+        let (secs, micros): (i64, i64) = store.send(&redis::cmd("TIME")).await?;
+        secs * 1000 + micros / 1000
+    } else {
+        now
+    };
+    let mut pipe = redis::pipe();
+    for keys in Keys::all() {
+        pipe.zcount(keys.due(), "-inf", now)
+            .zcount(keys.lease(), "-inf", lease_now);
+    }
+    let counts: Vec<usize> = store.send(&pipe).await?;
+    Ok(counts.chunks(2).map(|c| c.iter().sum()).collect())
+}
+
+/// Shares `limit` among partitions one message at a time, round-robin from `start`, never
+/// giving a partition more than it has available. The quotas sum to at most `limit`.
+fn spread(limit: usize, available: &[usize], start: usize) -> Vec<usize> {
+    let n = available.len();
+    let mut quotas = vec![0; n];
+    let mut left = limit;
+    loop {
+        let mut gave = false;
+        for i in 0..n {
+            if left == 0 {
+                return quotas;
+            }
+            let p = (start + i) % n;
+            if quotas[p] < available[p] {
+                quotas[p] += 1;
+                left -= 1;
+                gave = true;
+            }
+        }
+        if !gave {
+            return quotas;
+        }
+    }
+}
+
+/// One row of claim.lua's reply: record, lease token, tries, `rb`, deadline.
+fn decode_lease(row: Value) -> Result<Lease, StoreError> {
+    let (rec, token, tries, rb, deadline): (String, u64, u32, u32, Millis) = decode(row)?;
+    Ok(Lease {
+        message: decode_message(&rec)?,
+        token,
+        attempts: tries,
+        backoff_step: tries.saturating_sub(rb),
+        deadline,
+    })
+}
+
+pub(super) async fn complete(
+    store: &RedisStore,
+    claimed: &Lease,
+    attempt: &Attempt,
+    completion: Completion,
+    now: Millis,
+) -> Result<bool, StoreError> {
+    let id = &claimed.message.id;
+    let keys = Keys::of_id(id);
+    let (outcome, next_at, final_state) = match completion {
+        Completion::Delivered => ("delivered", now, MessageState::Delivered),
+        Completion::Retry { next_at } => ("retry", next_at, MessageState::Dead),
+        Completion::Dead => ("dead", now, MessageState::Dead),
+    };
+    let script = &store.scripts.complete;
+    let mut call = script_call(
+        script,
+        &[
+            keys.message(id),
+            keys.attempts(id),
+            keys.lease(),
+            keys.due(),
+            keys.queue(&claimed.message.ordering_key),
+            keys.index(Some(MessageState::InFlight)),
+            keys.index(Some(MessageState::Pending)),
+            keys.index(Some(final_state)),
+            keys.expiry(),
+        ],
+    );
+    call.arg(id.as_str())
+        .arg(claimed.token)
+        .arg(outcome)
+        .arg(to_json(attempt)?)
+        .arg(next_at)
+        .arg(now)
+        .arg(store.retention_secs)
+        .arg(HISTORY_TAIL);
+    applied(store, script, &call).await
+}
+
+pub(super) async fn release(
+    store: &RedisStore,
+    claimed: &Lease,
+    next_at: Millis,
+) -> Result<bool, StoreError> {
+    let id = &claimed.message.id;
+    let keys = Keys::of_id(id);
+    let script = &store.scripts.release;
+    let mut call = script_call(
+        script,
+        &[
+            keys.message(id),
+            keys.lease(),
+            keys.due(),
+            keys.index(Some(MessageState::InFlight)),
+            keys.index(Some(MessageState::Pending)),
+        ],
+    );
+    call.arg(id.as_str()).arg(claimed.token).arg(next_at);
+    applied(store, script, &call).await
+}
+
+/// Sends a call of a script that answers 1 when it applied, 0 when the lease was lost.
+async fn applied(store: &RedisStore, script: &Script, call: &Cmd) -> Result<bool, StoreError> {
+    let done: i64 = store.eval(script, call).await?;
+    Ok(done == 1)
+}
+
+pub(super) async fn resend(
+    store: &RedisStore,
+    id: &MessageId,
+    mark: &Attempt,
+    fresh_deadline: Millis,
+    now: Millis,
+) -> Result<ResendEffect, StoreError> {
+    // The ordering queue is named by the key, which only the record knows.
+    let Some(ordering_key) = reads::ordering_key_of(store, id).await? else {
+        return Ok(ResendEffect::Skipped);
+    };
+    let keys = Keys::of_id(id);
+    let script = &store.scripts.resend;
+    let mut call = script_call(
+        script,
+        &[
+            keys.message(id),
+            keys.attempts(id),
+            keys.due(),
+            keys.queue(&ordering_key),
+            keys.index(Some(MessageState::Pending)),
+            keys.index(Some(MessageState::Delivered)),
+            keys.index(Some(MessageState::Dead)),
+            keys.expiry(),
+        ],
+    );
+    call.arg(id.as_str())
+        .arg(to_json(mark)?)
+        .arg(fresh_deadline)
+        .arg(now)
+        .arg(HISTORY_TAIL);
+    let effect: String = store.eval(script, &call).await?;
+    Ok(match effect.as_str() {
+        "requeued" => ResendEffect::Requeued,
+        "expedited" => ResendEffect::Expedited,
+        "queued" => ResendEffect::Queued,
+        "after_current" => ResendEffect::AfterCurrent,
+        _ => ResendEffect::Skipped,
+    })
+}
+
+pub(super) async fn reserve_operation(
+    store: &RedisStore,
+    key: &str,
+    fingerprint: &str,
+    ttl_secs: u64,
+) -> Result<OperationReservation, StoreError> {
+    let key = keys::operation(key);
+    let mut reserve = redis::cmd("SET");
+    reserve
+        .arg(&key)
+        .arg(encode_running_operation(fingerprint))
+        .arg("NX")
+        .arg("EX")
+        .arg(ttl_secs);
+    let set: Option<String> = store.send(&reserve).await?;
+    if set.is_some() {
+        return Ok(OperationReservation::Fresh);
+    }
+    let value: Option<String> = store.send(&Cmd::get(&key)).await?;
+    // Gone between the two commands (it expired): the caller retries and reserves it.
+    Ok(value.map_or(OperationReservation::InProgress, |v| {
+        decode_operation(&v, fingerprint)
+    }))
+}
+
+pub(super) async fn finish_operation(
+    store: &RedisStore,
+    key: &str,
+    fingerprint: &str,
+    response: &str,
+    ttl_secs: u64,
+) -> Result<(), StoreError> {
+    store
+        .send(&Cmd::set_ex(
+            keys::operation(key),
+            encode_finished_operation(fingerprint, response),
+            ttl_secs,
+        ))
+        .await
+}
+
+pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, StoreError> {
+    let script = &store.scripts.sweep;
+    let mut pipe = redis::pipe();
+    for keys in Keys::all() {
+        let mut call = script_call(
+            script,
+            &[
+                keys.expiry(),
+                keys.index(None),
+                keys.index(Some(MessageState::Delivered)),
+                keys.index(Some(MessageState::Dead)),
+                keys.index(Some(MessageState::Recorded)),
+            ],
+        );
+        call.arg(now).arg(SWEEP_LIMIT).arg(keys.prefix());
+        pipe.add_command(call);
+    }
+    let swept: Vec<usize> = store.eval(script, &pipe).await?;
+    Ok(swept.into_iter().sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn spread_never_exceeds_the_limit_nor_what_a_partition_has() {
+        let available = [0, 3, 0, 1, 10, 0];
+        for limit in 0..20 {
+            for start in 0..available.len() {
+                let quotas = spread(limit, &available, start);
+                let total: usize = quotas.iter().sum();
+                assert_eq!(total, limit.min(14), "limit {limit} start {start}");
+                assert!(quotas.iter().zip(&available).all(|(q, a)| q <= a));
+            }
+        }
+    }
+
+    #[test]
+    fn spread_shares_round_robin_from_the_start() {
+        assert_eq!(spread(3, &[5, 5, 5, 5], 1), vec![0, 1, 1, 1]);
+        assert_eq!(spread(6, &[5, 5, 5, 5], 3), vec![2, 1, 1, 2]);
+        assert_eq!(spread(4, &[0, 0], 0), vec![0, 0]);
+    }
+}

@@ -1,0 +1,130 @@
+//! The Redis key layout, version [`SCHEMA_VERSION`]: every name the engine reads or writes.
+//!
+//! Ready for Redis Cluster: every key of a message lives under the hash tag of its partition,
+//! `cb:{pNN}:`, derived from the ordering key, so each script touches one slot.
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `d:<hash>` | string | dedupe claim: fingerprint `\n` stored response, `dedupe_ttl_secs` |
+//! | `s:<hash>` | string | signature seal: the first answer to a signature, while it is valid |
+//! | `m:<id>` | hash | message record and mutable state (fields below) |
+//! | `a:<id>` | list | attempt history (JSON rows): the first and the latest 100 |
+//! | `q:<kh>` | list | ids of one ordering key not yet finished; only the head is due |
+//! | `due` | zset | due heads scored by next attempt time |
+//! | `lease` | zset | in-flight ids scored by lease expiry |
+//! | `ix`, `ix:<state>`, `ix:k:<kh>` | zset (lex) | ids for listing: all, by state, by key |
+//! | `pay:<hash>` | string | payment status for the compare-and-set, `payment_retention_secs` |
+//! | `x` | zset | expiry index: `d:`, `s:`, `pay:` and finished `m:` members scored by when they end |
+//!
+//! `<kh>` is [`key_hash`] of the ordering key. The fields of `m:<id>`:
+//!
+//! | field | holds |
+//! |---|---|
+//! | `rec` | the [`NewMessage`](crate::store::NewMessage) as JSON, fixed at acceptance |
+//! | `state` | [`MessageState`] |
+//! | `tries` | delivery attempts recorded |
+//! | `rb` | `tries` when a resend last requeued it: the backoff counts from there |
+//! | `lease` | token of the latest lease |
+//! | `dl` | current deadline (a resend of a finished message opens a fresh one) |
+//! | `resume` | the scheduled attempt a resend brought forward, to resume from (0: none) |
+//! | `again` | 1 when a resend arrived while an attempt was in flight |
+//! | `kh` | [`key_hash`] of the ordering key, so the sweeper finds `ix:k:<kh>` |
+//! | `hn` | history rows ever recorded, kept or dropped |
+//!
+//! Outside the partitions: `cb:schema` (the layout version), `cb:upgrading` (the upgrade
+//! lock) and `cb:op:<hash>` (resend operations, which belong to no message).
+//!
+//! The scripts build some names themselves from the partition prefix (`m:`, `a:` and `ix:k:`
+//! in claim.lua and sweep.lua, the `m:<id>` expiry members in accept, complete and resend), and
+//! `upgrade.rs` names the version-1 and version-2 keys on its own, since those layouts are
+//! fixed whatever this one becomes. A change to this layout changes them too, and bumps
+//! [`SCHEMA_VERSION`] with an upgrade from the old one.
+
+use crate::digest::short_hash;
+use crate::store::ids::{PARTITIONS, partition_of};
+use crate::store::{MessageId, MessageState};
+
+/// The layout this binary writes. 1: the first release (TTLs only, global trims);
+/// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history.
+pub const SCHEMA_VERSION: u32 = 2;
+
+/// Holds the layout version of the store.
+pub(super) const SCHEMA_KEY: &str = "cb:schema";
+
+/// Held by the one process upgrading an older layout.
+pub(super) const UPGRADE_LOCK_KEY: &str = "cb:upgrading";
+
+/// Hash of an ordering key in key names and in the `kh` field.
+pub(super) fn key_hash(ordering_key: &str) -> String {
+    short_hash(ordering_key.as_bytes())
+}
+
+/// The record of a resend operation.
+pub(super) fn operation(key: &str) -> String {
+    format!("cb:op:{}", short_hash(key.as_bytes()))
+}
+
+/// Key names of one partition.
+pub(super) struct Keys(String);
+
+impl Keys {
+    pub(super) fn of_partition(partition: u8) -> Keys {
+        Keys(format!("cb:{{p{partition:02}}}:"))
+    }
+    /// Every partition, in order.
+    pub(super) fn all() -> impl Iterator<Item = Keys> {
+        (0..PARTITIONS).map(Keys::of_partition)
+    }
+    pub(super) fn of_id(id: &MessageId) -> Keys {
+        Keys::of_partition(id.partition())
+    }
+    pub(super) fn of_ordering_key(ordering_key: &str) -> Keys {
+        Keys::of_partition(partition_of(ordering_key))
+    }
+    pub(super) fn prefix(&self) -> &str {
+        &self.0
+    }
+    fn key(&self, suffix: &str) -> String {
+        format!("{}{suffix}", self.0)
+    }
+    /// A key's member in the expiry index: its name within the partition.
+    pub(super) fn member<'k>(&self, key: &'k str) -> &'k str {
+        key.strip_prefix(self.prefix()).unwrap_or(key)
+    }
+    pub(super) fn dedupe(&self, claim_key: &str) -> String {
+        self.key(&format!("d:{claim_key}"))
+    }
+    pub(super) fn seal(&self, seal_key: &str) -> String {
+        self.key(&format!("s:{seal_key}"))
+    }
+    pub(super) fn message(&self, id: &MessageId) -> String {
+        self.key(&format!("m:{id}"))
+    }
+    pub(super) fn attempts(&self, id: &MessageId) -> String {
+        self.key(&format!("a:{id}"))
+    }
+    pub(super) fn queue(&self, ordering_key: &str) -> String {
+        self.key(&format!("q:{}", key_hash(ordering_key)))
+    }
+    pub(super) fn due(&self) -> String {
+        self.key("due")
+    }
+    pub(super) fn lease(&self) -> String {
+        self.key("lease")
+    }
+    pub(super) fn index(&self, state: Option<MessageState>) -> String {
+        match state {
+            None => self.key("ix"),
+            Some(s) => self.key(&format!("ix:{}", s.as_str())),
+        }
+    }
+    pub(super) fn index_of_key(&self, ordering_key: &str) -> String {
+        self.key(&format!("ix:k:{}", key_hash(ordering_key)))
+    }
+    pub(super) fn payment(&self, payment_id: &str) -> String {
+        self.key(&format!("pay:{}", short_hash(payment_id.as_bytes())))
+    }
+    pub(super) fn expiry(&self) -> String {
+        self.key("x")
+    }
+}

@@ -1,0 +1,324 @@
+//! The Redis engine.
+//!
+//! Why it is built this way:
+//!
+//! - **One Lua script per state change.** Accepting, claiming, completing, releasing, resending
+//!   and sweeping each read and write several keys; a script does all of it as one atomic step
+//!   in one round trip, so no client ever sees half a step and an accepted message is one
+//!   durable write (ARCHITECTURE.md §1.2). The rules are `store::lifecycle`'s
+//!   (src/store/lifecycle.rs); each script in `lua/` names the rule it implements.
+//! - **Keys hash-tagged by partition.** Every key of a message lives under the hash tag of its
+//!   partition, derived from the ordering key, so each script touches one slot and the layout
+//!   is ready for Redis Cluster. What spans partitions (claiming, sweeping, counting, listing)
+//!   pipelines one call per partition into one round trip. `keys.rs` has the layout.
+//! - **Leases timed by Redis `TIME`.** Everything else takes `now` from the caller, but every
+//!   worker must judge a lease by one clock: a process whose clock runs ahead would otherwise
+//!   take over leases that have not expired yet.
+//! - **Lifetimes by the caller's clock.** A key whose expiry-index score is past `now` counts as
+//!   gone, and [`Store::sweep`] deletes it (a finished message with its history and index
+//!   entries). Redis TTLs on the string keys bound memory even without a sweeper.
+//! - **A versioned layout.** The version is in `cb:schema`; [`RedisStore::upgrade`] brings an
+//!   older layout up to date in place (`upgrade.rs`).
+//!
+//! `commands.rs` builds the script calls of the state changes and decodes their replies,
+//! `reads.rs` answers the reads; both go through the round trips defined here.
+
+mod commands;
+mod keys;
+mod reads;
+mod upgrade;
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, FromRedisValue, Pipeline, RedisResult, Script, Value};
+use serde::Serialize;
+
+use super::{
+    AcceptOutcome, AcceptRequest, Attempt, Completion, DEFAULT_PAYMENT_RETENTION_SECS, Lease,
+    ListFilter, MessageId, MessageRecord, NewMessage, OperationReservation, Page, QueueDepth,
+    ResendEffect, Store, StoreError,
+};
+use crate::clock::Millis;
+use commands::Scripts;
+
+pub use keys::SCHEMA_VERSION;
+
+/// The server settings that decide whether an acknowledged write survives, as `CONFIG GET`
+/// reported them at start-up; `None` where the server did not say.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DurabilitySettings {
+    pub appendonly: Option<String>,
+    pub appendfsync: Option<String>,
+    pub maxmemory_policy: Option<String>,
+}
+
+pub struct RedisStore {
+    conn: ConnectionManager,
+    scripts: Scripts,
+    /// How long finished messages, their history and dedupe claims are kept.
+    retention_secs: u64,
+    /// How long a payment's status outlives its last transition.
+    payment_retention_secs: u64,
+    /// Leases timed by Redis' clock (`TIME`) rather than the caller's.
+    store_clock_leases: bool,
+    /// Partition that gets the first share of the next claim, rotated so a small `limit`
+    /// does not always favour the low partitions.
+    next_claim_start: AtomicUsize,
+}
+
+impl RedisStore {
+    /// Connects with a reconnecting connection manager: a Redis restart costs the requests in
+    /// flight at that moment (503, the sender retries), not the process.
+    pub async fn connect(
+        url: &str,
+        timeout: Duration,
+        retention_secs: u64,
+    ) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url).map_err(unavailable)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_secs(1));
+        let conn =
+            tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
+                .await
+                .map_err(|_| {
+                    StoreError::Unavailable(format!("no answer from {url} within {timeout:?}"))
+                })?
+                .map_err(unavailable)?;
+        Ok(RedisStore {
+            conn,
+            scripts: Scripts::new(),
+            retention_secs,
+            payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
+            store_clock_leases: true,
+            next_claim_start: AtomicUsize::new(0),
+        })
+    }
+
+    /// How long a payment's status outlives its last transition (at least the retention).
+    pub fn with_payment_retention_secs(mut self, secs: u64) -> RedisStore {
+        self.payment_retention_secs = secs.max(self.retention_secs);
+        self
+    }
+
+    /// Times leases by the caller's `now` instead of Redis' clock. Only for tests that move a
+    /// virtual clock past a lease; in production every worker must judge leases by one clock.
+    pub fn with_caller_clock_leases(mut self) -> RedisStore {
+        self.store_clock_leases = false;
+        self
+    }
+
+    /// `CONFIG GET` of the persistence and eviction settings, or `None` when CONFIG is
+    /// disabled, renamed or not permitted (managed Redis often does that): what that means is
+    /// the caller's decision. One command per setting, since Redis 6 takes one name per GET.
+    pub async fn durability_settings(&self) -> Result<Option<DurabilitySettings>, StoreError> {
+        let mut pipe = redis::pipe();
+        for name in ["appendonly", "appendfsync", "maxmemory-policy"] {
+            pipe.cmd("CONFIG").arg("GET").arg(name);
+        }
+        let reply: RedisResult<Vec<HashMap<String, String>>> = self.query((&pipe).into()).await;
+        match reply {
+            Ok(replies) => {
+                let mut all: HashMap<String, String> = replies.into_iter().flatten().collect();
+                Ok(Some(DurabilitySettings {
+                    appendonly: all.remove("appendonly"),
+                    appendfsync: all.remove("appendfsync"),
+                    maxmemory_policy: all.remove("maxmemory-policy"),
+                }))
+            }
+            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                Err(unavailable(e))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Sends one round trip. Clones of the connection manager share its connection.
+    async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
+        let mut conn = self.conn.clone();
+        match request {
+            Request::One(cmd) => cmd.query_async(&mut conn).await,
+            Request::Pipeline(pipe) => pipe.query_async(&mut conn).await,
+        }
+    }
+
+    /// Sends one round trip; a failure is the store being unavailable.
+    async fn send<'r, T: FromRedisValue>(
+        &self,
+        request: impl Into<Request<'r>>,
+    ) -> Result<T, StoreError> {
+        self.query(request.into()).await.map_err(unavailable)
+    }
+
+    /// Sends calls of `script` (see [`script_call`]). A server that restarted since, or another
+    /// server behind the URL, has no scripts in its cache: a NOSCRIPT reply loads `script` and
+    /// sends the calls again.
+    async fn eval<'r, T: FromRedisValue>(
+        &self,
+        script: &Script,
+        request: impl Into<Request<'r>>,
+    ) -> Result<T, StoreError> {
+        let request = request.into();
+        match self.query(request).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                let mut conn = self.conn.clone();
+                script.load_async(&mut conn).await.map_err(unavailable)?;
+                self.send(request).await
+            }
+            other => other.map_err(unavailable),
+        }
+    }
+}
+
+/// What one round trip sends: a command, or a pipeline of them.
+#[derive(Clone, Copy)]
+enum Request<'r> {
+    One(&'r Cmd),
+    Pipeline(&'r Pipeline),
+}
+
+impl<'r> From<&'r Cmd> for Request<'r> {
+    fn from(cmd: &'r Cmd) -> Request<'r> {
+        Request::One(cmd)
+    }
+}
+
+impl<'r> From<&'r Pipeline> for Request<'r> {
+    fn from(pipe: &'r Pipeline) -> Request<'r> {
+        Request::Pipeline(pipe)
+    }
+}
+
+/// A call of `script` with its `KEYS`, in the order of the script's header; the caller adds
+/// its `ARGV`. Sent alone or added to a pipeline, always through [`RedisStore::eval`].
+fn script_call(script: &Script, keys: &[String]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys.len()).arg(keys);
+    cmd
+}
+
+fn unavailable(e: redis::RedisError) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+fn corrupt(what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+/// A reply of the shape the engine wrote; anything else is corrupt data.
+fn decode<T: FromRedisValue>(value: Value) -> Result<T, StoreError> {
+    redis::from_redis_value(value).map_err(corrupt)
+}
+
+/// A JSON value as the engine stores it (records, history rows).
+fn to_json(value: &impl Serialize) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(corrupt)
+}
+
+/// The `rec` field of a message hash.
+fn decode_message(rec: &str) -> Result<NewMessage, StoreError> {
+    serde_json::from_str(rec).map_err(corrupt)
+}
+
+/// A numeric field of a message hash; `None` when absent (older layouts) or unreadable.
+fn field<T: FromStr>(fields: &HashMap<String, String>, name: &str) -> Option<T> {
+    fields.get(name).and_then(|v| v.parse().ok())
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
+        commands::accept(self, &req, now).await
+    }
+
+    async fn claim_due(
+        &self,
+        now: Millis,
+        limit: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<Lease>, StoreError> {
+        commands::claim(self, now, limit, lease_ms).await
+    }
+
+    async fn complete(
+        &self,
+        claimed: &Lease,
+        attempt: Attempt,
+        completion: Completion,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        commands::complete(self, claimed, &attempt, completion, now).await
+    }
+
+    async fn release(&self, claimed: &Lease, next_at: Millis) -> Result<bool, StoreError> {
+        commands::release(self, claimed, next_at).await
+    }
+
+    async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError> {
+        reads::get(self, id).await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
+        reads::list(self, filter).await
+    }
+
+    async fn resend(
+        &self,
+        id: &MessageId,
+        mark: Attempt,
+        fresh_deadline: Millis,
+        now: Millis,
+    ) -> Result<ResendEffect, StoreError> {
+        commands::resend(self, id, &mark, fresh_deadline, now).await
+    }
+
+    async fn reserve_operation(
+        &self,
+        key: &str,
+        fingerprint: &str,
+        ttl_secs: u64,
+    ) -> Result<OperationReservation, StoreError> {
+        commands::reserve_operation(self, key, fingerprint, ttl_secs).await
+    }
+
+    async fn finish_operation(
+        &self,
+        key: &str,
+        fingerprint: &str,
+        response: &str,
+        ttl_secs: u64,
+    ) -> Result<(), StoreError> {
+        commands::finish_operation(self, key, fingerprint, response, ttl_secs).await
+    }
+
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
+        reads::payment_status(self, payment_id, now).await
+    }
+
+    async fn sweep(&self, now: Millis) -> Result<usize, StoreError> {
+        commands::sweep(self, now).await
+    }
+
+    async fn depth(&self) -> Result<QueueDepth, StoreError> {
+        reads::depth(self).await
+    }
+
+    async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
+        reads::oldest_unfinished(self).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.send::<String>(&redis::cmd("PING")).await.map(|_| ())
+    }
+}

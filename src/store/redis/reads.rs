@@ -1,0 +1,249 @@
+//! The reads: plain commands, pipelined over the partitions where they span them. None
+//! changes anything, so none needs a script.
+
+use std::collections::HashMap;
+
+use redis::{Cmd, Value};
+
+use super::keys::Keys;
+use super::{RedisStore, corrupt, decode, decode_message, field};
+use crate::clock::Millis;
+use crate::store::{
+    Attempt, ListFilter, MessageId, MessageRecord, MessageState, Page, QueueDepth, StoreError,
+    matches_filter,
+};
+
+pub(super) async fn get(
+    store: &RedisStore,
+    id: &MessageId,
+) -> Result<Option<MessageRecord>, StoreError> {
+    Ok(records(store, std::slice::from_ref(id), true).await?.pop())
+}
+
+pub(super) async fn list(store: &RedisStore, filter: &ListFilter) -> Result<Page, StoreError> {
+    let limit = filter.limit.max(1);
+    // Filters the indexes cannot answer (source, or state within one key's index) are
+    // applied to loaded records; the scan is bounded so a sparse filter cannot make one
+    // page read the whole keyspace: the caller continues from `next_after`.
+    let max_scanned = limit * 10;
+    let mut scanned = 0;
+    let mut after = filter.after.clone();
+    let mut messages = Vec::new();
+    loop {
+        let ids = scan_ids(store, filter, after.as_ref(), limit).await?;
+        let exhausted = ids.len() < limit;
+        scanned += ids.len();
+        if let Some(last) = ids.last() {
+            after = Some(last.clone());
+        }
+        // A match that does not fit on this page: the next page starts right before it,
+        // even when this chunk ended the scan (else it would be silently skipped).
+        let mut overflow = false;
+        for record in records(store, &ids, false).await? {
+            if !matches_filter(&record, filter) {
+                continue;
+            }
+            if messages.len() >= limit {
+                overflow = true;
+                break;
+            }
+            after = Some(record.message.id.clone());
+            messages.push(record);
+        }
+        if exhausted && !overflow {
+            return Ok(Page {
+                messages,
+                next_after: None,
+            });
+        }
+        if overflow || messages.len() >= limit || scanned >= max_scanned {
+            return Ok(Page {
+                messages,
+                next_after: after,
+            });
+        }
+    }
+}
+
+/// Up to `limit` ids above `after` (and within the filter's creation times), merged over the
+/// partitions, or read from the one index of the filter's ordering key.
+async fn scan_ids(
+    store: &RedisStore,
+    filter: &ListFilter,
+    after: Option<&MessageId>,
+    limit: usize,
+) -> Result<Vec<MessageId>, StoreError> {
+    let min = match (after, filter.created_from) {
+        (Some(a), Some(f)) if MessageId::lower_bound(f) > *a => {
+            format!("[{}", MessageId::lower_bound(f))
+        }
+        (Some(a), _) => format!("({a}"),
+        (None, Some(f)) => format!("[{}", MessageId::lower_bound(f)),
+        (None, None) => "-".to_string(),
+    };
+    let max = match filter.created_to {
+        Some(t) => format!("({}", MessageId::lower_bound(t + 1)),
+        None => "+".to_string(),
+    };
+    let indexes: Vec<String> = match &filter.ordering_key {
+        Some(k) => vec![Keys::of_ordering_key(k).index_of_key(k)],
+        None => Keys::all().map(|keys| keys.index(filter.state)).collect(),
+    };
+    let mut pipe = redis::pipe();
+    for index in &indexes {
+        pipe.cmd("ZRANGE")
+            .arg(index)
+            .arg(&min)
+            .arg(&max)
+            .arg("BYLEX")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit);
+    }
+    let pages: Vec<Vec<String>> = store.send(&pipe).await?;
+    let mut ids: Vec<MessageId> = pages
+        .into_iter()
+        .flatten()
+        .filter_map(|s| MessageId::parse(&s))
+        .collect();
+    ids.sort();
+    ids.truncate(limit);
+    Ok(ids)
+}
+
+/// Loads records in one round trip, skipping ids that are gone; histories only when asked (a
+/// list page never loads them).
+async fn records(
+    store: &RedisStore,
+    ids: &[MessageId],
+    with_history: bool,
+) -> Result<Vec<MessageRecord>, StoreError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut pipe = redis::pipe();
+    for id in ids {
+        let keys = Keys::of_id(id);
+        pipe.hgetall(keys.message(id))
+            .zscore(keys.due(), id.as_str());
+        if with_history {
+            pipe.lrange(keys.attempts(id), 0, -1);
+        }
+    }
+    let replies: Vec<Value> = store.send(&pipe).await?;
+    let mut replies = replies.into_iter();
+    let mut next = || {
+        replies
+            .next()
+            .ok_or_else(|| corrupt("short pipeline reply"))
+    };
+    let mut records = Vec::with_capacity(ids.len());
+    for _ in ids {
+        let fields: HashMap<String, String> = decode(next()?)?;
+        let next_attempt_at: Option<f64> = decode(next()?)?;
+        let history: Vec<String> = if with_history {
+            decode(next()?)?
+        } else {
+            Vec::new()
+        };
+        if let Some(record) = record(&fields, next_attempt_at, &history)? {
+            records.push(record);
+        }
+    }
+    Ok(records)
+}
+
+/// One message from its hash fields, its score in `due` and its history rows; `None` when
+/// the message is gone.
+fn record(
+    fields: &HashMap<String, String>,
+    next_attempt_at: Option<f64>,
+    history: &[String],
+) -> Result<Option<MessageRecord>, StoreError> {
+    let Some(rec) = fields.get("rec") else {
+        return Ok(None);
+    };
+    let message = decode_message(rec)?;
+    let state = fields
+        .get("state")
+        .and_then(|s| MessageState::parse(s))
+        .ok_or_else(|| corrupt(format!("message {} has no valid state", message.id)))?;
+    let history = history
+        .iter()
+        .map(|row| serde_json::from_str::<Attempt>(row).map_err(corrupt))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(MessageRecord {
+        state,
+        deadline: field(fields, "dl").unwrap_or(message.deadline),
+        next_attempt_at: next_attempt_at.map(|s| s as Millis),
+        history_total: field(fields, "hn").unwrap_or(history.len() as u64),
+        delivery_attempts: field(fields, "tries").unwrap_or(0),
+        history,
+        message,
+    }))
+}
+
+/// The ordering key of a message, `None` when it is gone.
+pub(super) async fn ordering_key_of(
+    store: &RedisStore,
+    id: &MessageId,
+) -> Result<Option<String>, StoreError> {
+    let rec: Option<String> = store
+        .send(&Cmd::hget(Keys::of_id(id).message(id), "rec"))
+        .await?;
+    rec.map(|r| decode_message(&r).map(|m| m.ordering_key))
+        .transpose()
+}
+
+pub(super) async fn payment_status(
+    store: &RedisStore,
+    payment_id: &str,
+    now: Millis,
+) -> Result<Option<String>, StoreError> {
+    let keys = Keys::of_ordering_key(&crate::payment::ordering_key(payment_id));
+    let key = keys.payment(payment_id);
+    let mut pipe = redis::pipe();
+    pipe.get(&key).zscore(keys.expiry(), keys.member(&key));
+    let (status, ends): (Option<String>, Option<f64>) = store.send(&pipe).await?;
+    Ok(status.filter(|_| ends.is_none_or(|e| e as Millis > now)))
+}
+
+pub(super) async fn depth(store: &RedisStore) -> Result<QueueDepth, StoreError> {
+    const COUNTED: [MessageState; 3] = [
+        MessageState::Pending,
+        MessageState::InFlight,
+        MessageState::Dead,
+    ];
+    let mut pipe = redis::pipe();
+    for keys in Keys::all() {
+        for state in COUNTED {
+            pipe.zcard(keys.index(Some(state)));
+        }
+    }
+    let counts: Vec<u64> = store.send(&pipe).await?;
+    let mut depth = QueueDepth::default();
+    for chunk in counts.chunks(COUNTED.len()) {
+        depth.pending += chunk[0];
+        depth.in_flight += chunk[1];
+        depth.dead += chunk[2];
+    }
+    Ok(depth)
+}
+
+pub(super) async fn oldest_unfinished(store: &RedisStore) -> Result<Option<MessageId>, StoreError> {
+    // Ids sort by creation time and the state indexes are lexical: the first member of
+    // each is its oldest.
+    let mut pipe = redis::pipe();
+    for keys in Keys::all() {
+        for state in [MessageState::Pending, MessageState::InFlight] {
+            pipe.zrange(keys.index(Some(state)), 0, 0);
+        }
+    }
+    let firsts: Vec<Vec<String>> = store.send(&pipe).await?;
+    firsts
+        .into_iter()
+        .flatten()
+        .min()
+        .map(|id| MessageId::parse(&id).ok_or_else(|| corrupt(format!("message id `{id}`"))))
+        .transpose()
+}

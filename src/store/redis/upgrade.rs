@@ -1,0 +1,327 @@
+//! Brings a Redis store written by an older callbackd to the layout of this one, in place.
+//!
+//! Version 1 (the first release) kept lifetimes only as Redis TTLs and trimmed its listing
+//! indexes by id on every write. Version 2 decides lifetimes by the caller's clock through a
+//! per-partition expiry index, so each expiring key gets its member there (its current TTL
+//! becomes its score), finished messages lose their TTL (the sweeper deletes them together
+//! with their index entries), and message hashes gain `kh` (hash of the ordering key) and
+//! `hn` (history rows ever). Payment states get their own, longer lifetime. Index entries of
+//! messages that v1 already expired are dropped.
+//!
+//! Every step is idempotent (members are added with `NX`, a payment is extended only while
+//! it has no member yet), so an upgrade cut short by a crash is simply run again. The version
+//! key is written last. Old processes must be stopped first: they would keep writing v1.
+//!
+//! The version-1 and version-2 key names are spelled here rather than taken from `keys.rs`:
+//! those layouts are fixed, whatever the current one becomes.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::{Cmd, Value};
+
+use super::RedisStore;
+use super::keys::{SCHEMA_KEY, SCHEMA_VERSION, UPGRADE_LOCK_KEY};
+use crate::clock::Millis;
+use crate::digest::short_hash;
+use crate::store::{HISTORY_TAIL, MessageId, MessageState, NewMessage, StoreError};
+
+/// Keys read per SCAN step and per pipeline.
+const PAGE: usize = 500;
+
+/// How long the upgrade lock is held: the longest a process waits for another's upgrade.
+const UPGRADE_LOCK_MS: u64 = 600_000;
+
+/// Every partition key of every layout.
+const PARTITION_KEYS: &str = "cb:{p*}:*";
+
+impl RedisStore {
+    /// Brings the store to [`SCHEMA_VERSION`] and returns the version it found. A new store
+    /// is stamped; a version-1 store (no version key, but data) is upgraded in place; a
+    /// store newer than this binary is refused.
+    pub async fn upgrade(&self, now: Millis) -> Result<u32, StoreError> {
+        let found: Option<u32> = self.send(&Cmd::get(SCHEMA_KEY)).await?;
+        let found = match found {
+            Some(v) => v,
+            None if self.has_data().await.map_err(during_upgrade)? => 1,
+            None => SCHEMA_VERSION,
+        };
+        if found > SCHEMA_VERSION {
+            return Err(StoreError::Unavailable(format!(
+                "the Redis store has layout version {found} ({SCHEMA_KEY}), newer than this \
+                 callbackd understands ({SCHEMA_VERSION}); run a newer callbackd"
+            )));
+        }
+        if found == SCHEMA_VERSION {
+            // A new store is stamped; stamping an up-to-date one again changes nothing.
+            return self
+                .send(&Cmd::set(SCHEMA_KEY, SCHEMA_VERSION))
+                .await
+                .map(|()| found);
+        }
+        // One process upgrades; the others wait for the version key and serve only then, so
+        // nothing is written in the new layout while an old-layout read is in flight.
+        let token = MessageId::generate(now, "upgrade").to_string();
+        let mut lock = redis::cmd("SET");
+        lock.arg(UPGRADE_LOCK_KEY)
+            .arg(&token)
+            .arg("NX")
+            .arg("PX")
+            .arg(UPGRADE_LOCK_MS);
+        let mine: Option<String> = self.send(&lock).await?;
+        if mine.is_none() {
+            return self.wait_for_upgrade(found).await;
+        }
+        self.v1_to_v2(now).await.map_err(during_upgrade)?;
+        let mut done = redis::pipe();
+        done.set(SCHEMA_KEY, SCHEMA_VERSION).del(UPGRADE_LOCK_KEY);
+        self.send::<()>(&done).await?;
+        Ok(found)
+    }
+
+    /// Waits while another process upgrades (at most the lock's lifetime: a process that died
+    /// mid-upgrade leaves a lock that expires, and the next start redoes the idempotent steps).
+    async fn wait_for_upgrade(&self, found: u32) -> Result<u32, StoreError> {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(UPGRADE_LOCK_MS);
+        while tokio::time::Instant::now() < deadline {
+            let version: Option<u32> = self.send(&Cmd::get(SCHEMA_KEY)).await?;
+            if version == Some(SCHEMA_VERSION) {
+                return Ok(found);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(StoreError::Unavailable(format!(
+            "another process has been upgrading the Redis layout for {} s ({UPGRADE_LOCK_KEY}); \
+             start again to take over",
+            UPGRADE_LOCK_MS / 1000
+        )))
+    }
+
+    /// True when the store holds any partition key (so a missing version means version 1).
+    async fn has_data(&self) -> Result<bool, StoreError> {
+        let mut cursor = 0u64;
+        loop {
+            let (next, keys) = self.scan_step(cursor).await?;
+            if !keys.is_empty() {
+                return Ok(true);
+            }
+            if next == 0 {
+                return Ok(false);
+            }
+            cursor = next;
+        }
+    }
+
+    /// One SCAN step over the partition keys: the next cursor (0 at the end) and a page of keys.
+    async fn scan_step(&self, cursor: u64) -> Result<(u64, Vec<String>), StoreError> {
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(PARTITION_KEYS)
+            .arg("COUNT")
+            .arg(PAGE);
+        self.send(&scan).await
+    }
+
+    /// Upgrades every partition key from version 1 to 2, a SCAN page at a time.
+    async fn v1_to_v2(&self, now: Millis) -> Result<(), StoreError> {
+        for pass in [Pass::Records, Pass::Indexes] {
+            let mut cursor = 0u64;
+            loop {
+                let (next, keys) = self.scan_step(cursor).await?;
+                self.upgrade_page(&keys, pass, now).await?;
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(())
+    }
+
+    async fn upgrade_page(
+        &self,
+        keys: &[String],
+        pass: Pass,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let retention_ms = self.retention_secs as i64 * 1000;
+        let extension_ms = (self.payment_retention_secs as i64 - self.retention_secs as i64) * 1000;
+        // Score of a key that keeps its current lifetime; a key without a TTL gets the retention.
+        let ends = |pttl: i64| now + if pttl > 0 { pttl } else { retention_ms };
+        // One MULTI/EXEC per page: a crash never leaves a history trimmed but uncounted.
+        let mut writes = redis::pipe();
+        writes.atomic();
+        for key in keys {
+            let Some((prefix, member, kind)) = classify(key) else {
+                continue;
+            };
+            if (pass == Pass::Indexes) != matches!(kind, Kind::Index) {
+                continue;
+            }
+            let expiry = format!("{prefix}x");
+            match kind {
+                Kind::Dedupe => {
+                    let pttl: i64 = self.send(&Cmd::pttl(key)).await?;
+                    writes
+                        .cmd("ZADD")
+                        .arg(&expiry)
+                        .arg("NX")
+                        .arg(ends(pttl))
+                        .arg(member)
+                        .ignore();
+                }
+                Kind::Payment => {
+                    let mut read = redis::pipe();
+                    read.pttl(key).zscore(&expiry, member);
+                    let (pttl, upgraded): (i64, Option<f64>) = self.send(&read).await?;
+                    if upgraded.is_none() && pttl > 0 {
+                        let lifetime = pttl + extension_ms;
+                        writes.pexpire(key, lifetime).ignore();
+                        writes.zadd(&expiry, member, now + lifetime).ignore();
+                    }
+                }
+                Kind::Message(id) => {
+                    self.upgrade_message(&mut writes, prefix, &id, ends).await?;
+                }
+                Kind::Index => self.drop_dangling(&mut writes, prefix, key).await?,
+            }
+        }
+        self.send::<Value>(&writes).await?;
+        Ok(())
+    }
+
+    async fn upgrade_message(
+        &self,
+        writes: &mut redis::Pipeline,
+        prefix: &str,
+        id: &str,
+        ends: impl Fn(i64) -> Millis,
+    ) -> Result<(), StoreError> {
+        let key = format!("{prefix}m:{id}");
+        let attempts = format!("{prefix}a:{id}");
+        let mut read = redis::pipe();
+        read.hgetall(&key)
+            .llen(&attempts)
+            .lindex(&attempts, 0)
+            .pttl(&key);
+        let (fields, rows, first, pttl): (HashMap<String, String>, i64, Option<String>, i64) =
+            self.send(&read).await?;
+        let Some(rec) = fields.get("rec") else {
+            return Ok(());
+        };
+        let message: NewMessage = serde_json::from_str(rec)
+            .map_err(|e| StoreError::Corrupt(format!("message {id} during upgrade: {e}")))?;
+        writes
+            .hset(&key, "kh", short_hash(message.ordering_key.as_bytes()))
+            .ignore();
+        if !fields.contains_key("hn") {
+            writes.hset(&key, "hn", rows).ignore();
+        }
+        // v1 kept every row; keep the first and the latest HISTORY_TAIL, as v2 does.
+        if let Some(first) = first.filter(|_| rows > HISTORY_TAIL as i64 + 1) {
+            writes
+                .ltrim(&attempts, -(HISTORY_TAIL as isize), -1)
+                .ignore();
+            writes.lpush(&attempts, first).ignore();
+        }
+        let finished = fields
+            .get("state")
+            .and_then(|s| MessageState::parse(s))
+            .is_some_and(|s| {
+                matches!(
+                    s,
+                    MessageState::Delivered | MessageState::Dead | MessageState::Recorded
+                )
+            });
+        if finished {
+            writes
+                .cmd("ZADD")
+                .arg(format!("{prefix}x"))
+                .arg("NX")
+                .arg(ends(pttl))
+                .arg(format!("m:{id}"))
+                .ignore();
+            writes.persist(&key).ignore();
+            writes.persist(&attempts).ignore();
+        }
+        Ok(())
+    }
+
+    /// Removes the ids of messages that no longer exist from one listing index.
+    async fn drop_dangling(
+        &self,
+        writes: &mut redis::Pipeline,
+        prefix: &str,
+        index: &str,
+    ) -> Result<(), StoreError> {
+        let mut cursor = 0u64;
+        loop {
+            let mut scan = redis::cmd("ZSCAN");
+            scan.arg(index).arg(cursor).arg("COUNT").arg(PAGE);
+            let (next, page): (u64, Vec<String>) = self.send(&scan).await?;
+            // ZSCAN answers member, score, member, score...
+            let ids: Vec<&String> = page.iter().step_by(2).collect();
+            let mut exists = redis::pipe();
+            for id in &ids {
+                exists.exists(format!("{prefix}m:{id}"));
+            }
+            let present: Vec<bool> = self.send(&exists).await?;
+            for (id, present) in ids.iter().zip(present) {
+                if !present {
+                    writes.zrem(index, id.as_str()).ignore();
+                }
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+}
+
+/// Names the upgrade in an error of the store being unavailable.
+fn during_upgrade(e: StoreError) -> StoreError {
+    match e {
+        StoreError::Unavailable(why) => {
+            StoreError::Unavailable(format!("upgrading the Redis layout: {why}"))
+        }
+        corrupt => corrupt,
+    }
+}
+
+/// What one scan over the keys upgrades.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Claims, payments and messages. After it no finished message expires by a v1 TTL any
+    /// more, so the next pass sees every message that will ever be swept.
+    Records,
+    /// Listing indexes: ids of messages v1 already expired are dropped.
+    Indexes,
+}
+
+/// One key of a v1 partition and what it is.
+enum Kind {
+    Dedupe,
+    Payment,
+    Message(String),
+    Index,
+}
+
+/// Splits `cb:{pNN}:<rest>` into the partition prefix and the kind of `<rest>`.
+fn classify(key: &str) -> Option<(&str, &str, Kind)> {
+    let end = key.find("}:")? + 2;
+    let (prefix, rest) = key.split_at(end);
+    let kind = if rest.starts_with("d:") {
+        Kind::Dedupe
+    } else if rest.starts_with("pay:") {
+        Kind::Payment
+    } else if let Some(id) = rest.strip_prefix("m:") {
+        Kind::Message(id.to_string())
+    } else if rest.starts_with("ix") {
+        Kind::Index
+    } else {
+        return None;
+    };
+    Some((prefix, rest, kind))
+}
