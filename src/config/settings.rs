@@ -137,7 +137,7 @@ impl std::fmt::Debug for ForwardSettings {
 
 impl Settings {
     /// Derives the settings of a config that passed validation ([`Config::load`] validates).
-    /// The errors are the ones validation would have given, for a config changed since.
+    /// It fails, naming the key, only for a config changed after it was validated.
     pub fn from_config(config: &Config) -> Result<Settings, ConfigError> {
         let (server, store, dispatch) = (&config.server, &config.store, &config.dispatch);
         let server = ServerSettings {
