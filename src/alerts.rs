@@ -9,12 +9,14 @@
 //! keeps the repeat from announcing the same death twice. An alert that dies itself is not
 //! announced: alerts never alert about alerts.
 
-use crate::clock::Millis;
+use std::net::SocketAddr;
+use std::time::Duration;
+
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use crate::clock::format_iso;
-use crate::config::{Config, ConfigError, decode_whsec};
+use crate::clock::{Millis, format_iso};
+use crate::config::{ConfigError, decode_whsec};
 use crate::digest::short_hash;
 use crate::store::{
     AcceptRequest, Attempt, DedupeClaim, Lease, MessageId, MessageKind, NewMessage,
@@ -94,31 +96,46 @@ impl DeathReason {
 }
 
 /// The configured alert target, ready to make alert messages.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Alerts {
     url: String,
     secret: Vec<u8>,
     console_base: String,
-    max_age_ms: i64,
-    dedupe_ttl_secs: u64,
+    /// `dispatch.max_age_secs`: an alert is delivered as long as any message.
+    max_age: Duration,
+    dedupe_ttl: Duration,
+}
+
+impl std::fmt::Debug for Alerts {
+    /// The signing key never reaches a log line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Alerts")
+            .field("url", &self.url)
+            .field("console_base", &self.console_base)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Alerts {
-    /// `None` without an `[alerts]` section (or with an invalid one, which validation refuses
-    /// before this runs).
-    pub fn from_config(config: &Config) -> Option<Alerts> {
-        let a = config.alerts.as_ref()?;
-        Some(Alerts {
-            url: a.webhook_url.clone(),
-            secret: decode_whsec(&a.secret).ok()?,
-            console_base: a
+    /// The alert target of a validated `[alerts]` section; the console link defaults to the
+    /// server's `listen` address.
+    pub fn new(
+        config: &AlertsConfig,
+        listen: SocketAddr,
+        max_age: Duration,
+        dedupe_ttl: Duration,
+    ) -> Result<Alerts, String> {
+        Ok(Alerts {
+            url: config.webhook_url.clone(),
+            secret: decode_whsec(&config.secret)?,
+            console_base: config
                 .console_url
                 .clone()
-                .unwrap_or_else(|| format!("http://{}", config.server.listen))
+                .unwrap_or_else(|| format!("http://{listen}"))
                 .trim_end_matches('/')
                 .to_string(),
-            max_age_ms: config.dispatch.max_age_secs.saturating_mul(1000) as i64,
-            dedupe_ttl_secs: config.store.dedupe_ttl_secs,
+            max_age,
+            dedupe_ttl,
         })
     }
 
@@ -194,13 +211,13 @@ impl Alerts {
                 .collect(),
             body,
             created_at: now,
-            deadline: now.saturating_add(self.max_age_ms),
+            deadline: crate::config::deadline(now, self.max_age),
         };
         Some(AcceptRequest {
             dedupe: DedupeClaim {
                 // One alert per death: a repeat of the same attempt (after a crash) replays.
                 key: short_hash(format!("alert\n{}\n{}", dead.id, attempt.attempt).as_bytes()),
-                ttl_secs: self.dedupe_ttl_secs,
+                ttl_secs: self.dedupe_ttl.as_secs(),
                 fingerprint: String::new(),
                 response: String::new(),
             },

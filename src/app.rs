@@ -1,32 +1,28 @@
 //! The state every handler and the dispatcher share, built once from the config.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
-use crate::config::Config;
+use crate::config::{Config, Settings, Sources};
 use crate::dispatch::ssrf::SsrfGuard;
-use crate::inbound::dedupe::DEFAULT_FIELDS;
-use crate::inbound::signature::Verifier;
 use crate::store::Store;
 
-/// A configured provider account, ready to verify and key its callbacks.
-#[derive(Debug)]
-pub struct Source {
-    pub name: String,
-    pub verifier: Verifier,
-    pub dedupe_fields: Vec<String>,
-    pub forward_url: Option<String>,
-}
+/// A configured provider account, as the handlers look it up in [`App::sources`].
+pub type Source = crate::config::SourceSettings;
 
 pub struct App {
+    /// The config as loaded, in the file's units.
     pub config: Config,
+    /// The typed settings derived from `config`, once.
+    pub settings: Settings,
     pub store: Arc<dyn Store>,
     pub clock: Arc<dyn Clock>,
-    pub sources: HashMap<String, Source>,
+    /// `settings.sources`, shared.
+    pub sources: Sources,
+    /// `settings.dispatch.callback_ssrf`: the guard a `callbackUrl` is checked with at hand-off.
     pub ssrf: SsrfGuard,
     /// Rung after every accept so an idle dispatcher starts delivering at once.
     pub wake: Arc<Notify>,
@@ -41,42 +37,35 @@ pub struct App {
 }
 
 impl App {
+    /// Derives the settings of `config` and builds the shared state around `store`.
     pub fn new(
         config: Config,
         store: Arc<dyn Store>,
         clock: Arc<dyn Clock>,
     ) -> Result<App, String> {
-        let mut sources = HashMap::new();
-        for (name, cfg) in &config.sources {
-            let verifier =
-                Verifier::from_config(cfg).map_err(|e| format!("sources.{name}: {e}"))?;
-            let dedupe_fields = cfg
-                .dedupe_fields
-                .clone()
-                .unwrap_or_else(|| DEFAULT_FIELDS.iter().map(|f| f.to_string()).collect());
-            sources.insert(
-                name.clone(),
-                Source {
-                    name: name.clone(),
-                    verifier,
-                    dedupe_fields,
-                    forward_url: cfg.forward_url.clone(),
-                },
-            );
-        }
-        Ok(App {
-            body_budget: Arc::new(Semaphore::new(config.server.max_buffered_bytes)),
-            ssrf: SsrfGuard {
-                allow_private: config.dispatch.allow_private_networks,
-            },
+        let settings = Settings::from_config(&config).map_err(|e| e.to_string())?;
+        Ok(App::with_settings(config, settings, store, clock))
+    }
+
+    /// Builds the shared state from settings already derived from `config`.
+    pub fn with_settings(
+        config: Config,
+        settings: Settings,
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+    ) -> App {
+        App {
+            body_budget: Arc::new(Semaphore::new(settings.server.max_buffered_bytes)),
+            sources: settings.sources.clone(),
+            ssrf: settings.dispatch.callback_ssrf,
             config,
+            settings,
             store,
             clock,
-            sources,
             wake: Arc::new(Notify::new()),
             metrics: crate::metrics::handle(),
             shutting_down: CancellationToken::new(),
             deliveries: Arc::default(),
-        })
+        }
     }
 }

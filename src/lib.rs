@@ -23,14 +23,13 @@ pub mod store;
 pub mod trace;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use app::App;
 use clock::Clock;
-use config::{Config, StoreLocation};
+use config::{Config, Settings, StoreLocation, StoreSettings};
 use dispatch::Dispatcher;
 use durability::Verdict;
 use store::redis::RedisStore;
@@ -52,27 +51,25 @@ pub enum StartError {
 }
 
 /// Opens the configured store and checks it is fit to acknowledge callbacks.
-pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
-    let location = config
-        .store_location()
-        .map_err(|e| StartError::Setup(e.to_string()))?;
-    let retention = config.store.dedupe_ttl_secs;
-    let timeout = Duration::from_millis(config.store.timeout_ms);
-    match location {
+pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, StartError> {
+    // The engines count retention in whole seconds, as the config does.
+    let retention = settings.dedupe_ttl.as_secs();
+    let payment_retention = settings.payment_retention.as_secs();
+    match &settings.location {
         StoreLocation::Sqlite(path) => {
             let options = SqliteOptions {
-                timeout,
-                payment_retention_secs: config.store.payment_retention_secs,
+                timeout: settings.timeout,
+                payment_retention_secs: payment_retention,
                 ..SqliteOptions::default()
             };
-            Ok(Arc::new(SqliteStore::open_with(&path, retention, options)?))
+            Ok(Arc::new(SqliteStore::open_with(path, retention, options)?))
         }
         StoreLocation::Redis(url) => {
-            let store = RedisStore::connect(&url, timeout, retention)
+            let store = RedisStore::connect(url, settings.timeout, retention)
                 .await?
-                .with_payment_retention_secs(config.store.payment_retention_secs);
+                .with_payment_retention_secs(payment_retention);
             // Judged before the upgrade writes anything to a Redis that may be refused.
-            match durability::check_redis(&store, config.store.require_durable).await? {
+            match durability::check_redis(&store, settings.require_durable).await? {
                 Verdict::Refuse(why) => return Err(StartError::NotDurable(why)),
                 Verdict::Start { warnings } => {
                     for warning in warnings {
@@ -93,12 +90,12 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StartError> {
     }
 }
 
-/// Builds the shared state: config, store, clock.
+/// Builds the shared state: the settings derived from `config`, the store they name, the
+/// clock.
 pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, StartError> {
-    let store = open_store(&config).await?;
-    Ok(Arc::new(
-        App::new(config, store, clock).map_err(StartError::Setup)?,
-    ))
+    let settings = Settings::from_config(&config).map_err(|e| StartError::Setup(e.to_string()))?;
+    let store = open_store(&settings.store).await?;
+    Ok(Arc::new(App::with_settings(config, settings, store, clock)))
 }
 
 /// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) and the
@@ -112,16 +109,17 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), StartError> {
-    let grace = Duration::from_secs(app.config.server.shutdown_grace_secs);
+    let server = &app.settings.server;
+    let grace = server.shutdown_grace;
     let sweeper = tokio::spawn(store::sweeper::run(
         app.store.clone(),
         app.clock.clone(),
-        Duration::from_secs(app.config.store.sweep_interval_secs),
+        app.settings.store.sweep_interval,
         shutdown.clone(),
     ));
-    let dispatcher = if app.config.dispatch.enabled {
+    let dispatcher = if app.settings.dispatch.enabled {
         let d = Dispatcher::new(
-            &app.config,
+            &app.settings,
             app.store.clone(),
             app.clock.clone(),
             app.wake.clone(),
@@ -146,14 +144,12 @@ pub async fn serve(
         }
     });
     let limits = http::server::Limits {
-        header_timeout: Duration::from_secs(app.config.server.header_timeout_secs),
+        header_timeout: server.header_timeout,
         // Longer than a slow body is given (`request_timeout_secs`), so that one still gets
         // its JSON 408 rather than a closed connection.
-        idle_timeout: Duration::from_secs(
-            app.config.server.header_timeout_secs + app.config.server.request_timeout_secs,
-        ),
-        max_connections: app.config.server.max_connections,
-        max_streams_per_connection: app.config.server.max_streams_per_connection,
+        idle_timeout: server.header_timeout.saturating_add(server.request_timeout),
+        max_connections: server.max_connections,
+        max_streams_per_connection: server.max_streams_per_connection,
         grace,
     };
     http::server::serve(

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use callbackd::config::{Config, LogFormat};
+use callbackd::config::{Config, LogFormat, Settings};
 
 const ADMIN_TOKEN_ENV: &str = "CALLBACKD_ADMIN_TOKEN";
 const URL_ENV: &str = "CALLBACKD_URL";
@@ -239,6 +239,8 @@ async fn cancel_on_signal(token: CancellationToken) {
 
 fn check_config(arg: ConfigArg) -> Result<(), String> {
     let config = load_config(&arg)?;
+    // What `serve` would derive, so a config that loads but cannot start is refused here too.
+    let settings = Settings::from_config(&config).map_err(|e| e.to_string())?;
     println!(
         "config OK: listen {}, store {} ({}), {} source(s): {}, {} connector token(s), {} admin token(s)",
         config.server.listen,
@@ -254,13 +256,13 @@ fn check_config(arg: ConfigArg) -> Result<(), String> {
         config.auth.connector_tokens.len(),
         config.auth.admin_tokens.len(),
     );
-    let span = |secs: u64| humantime::format_duration(std::time::Duration::from_secs(secs));
+    let store = &settings.store;
     println!(
         "retention: dedupe claims and finished messages {}, payment states {} after their \
          last transition; expired data swept every {}",
-        span(config.store.dedupe_ttl_secs),
-        span(config.store.payment_retention_secs),
-        span(config.store.sweep_interval_secs),
+        humantime::format_duration(store.dedupe_ttl),
+        humantime::format_duration(store.payment_retention),
+        humantime::format_duration(store.sweep_interval),
     );
     Ok(())
 }

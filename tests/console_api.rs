@@ -108,7 +108,7 @@ async fn overview_on(store_url: &str) {
     let app = &server.app;
     let d = Arc::new(
         Dispatcher::new(
-            &app.config,
+            &app.settings,
             app.store.clone(),
             clock.clone(),
             app.wake.clone(),

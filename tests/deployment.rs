@@ -260,6 +260,28 @@ fn check_config_refuses_the_example_secrets_off_loopback() {
     );
 }
 
+/// A token or secret of digits set in the environment (as a `.env` file or an orchestrator
+/// would) is a string, not a number that then fails as a token.
+#[test]
+fn check_config_reads_digit_tokens_from_the_environment() {
+    let example = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config.toml"));
+    let ok = check_config(
+        example,
+        &[
+            ("CALLBACKD__SERVER__LISTEN", "0.0.0.0:8080"),
+            ("CALLBACKD__AUTH__CONNECTOR_TOKENS", "1234567890123456"),
+            ("CALLBACKD__AUTH__ADMIN_TOKENS", "[\"6543210987654321\"]"),
+            ("CALLBACKD__SOURCES__PAYZU__SECRETS", "9081726354453627"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(ok.status.success(), "{ok:?}");
+    assert!(
+        stdout.contains("1 connector token(s), 1 admin token(s)"),
+        "{stdout}"
+    );
+}
+
 #[tokio::test]
 async fn healthcheck_exits_0_for_a_live_server_and_1_otherwise() {
     let dir = tempfile::tempdir().unwrap();

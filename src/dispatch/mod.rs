@@ -12,7 +12,7 @@ pub mod schedule;
 pub mod ssrf;
 
 use crate::clock::Millis;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,12 +23,11 @@ use tracing::Instrument;
 
 use crate::alerts::{Alerts, DeathReason, is_alert};
 use crate::clock::{Clock, format_delay, format_iso};
-use crate::config::{Config, DispatchConfig};
+use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources, millis};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
 use crate::store::{Attempt, Lease, MessageKind, Store};
 use delivery::{AttemptResult, Verdict};
-use schedule::Backoff;
 
 /// How long an idle worker waits before polling the store again. Work accepted by this
 /// process wakes it at once; this only bounds the delay for work accepted by other processes
@@ -43,16 +42,6 @@ const HOST_BUSY_DELAY_MS: i64 = 250;
 /// Hosts whose semaphores are remembered; beyond that the idle ones are forgotten.
 const MAX_TRACKED_HOSTS: usize = 10_000;
 
-/// Per-source delivery settings that are read at delivery time, not stored with the message,
-/// so a rotated token or secret applies to messages already queued.
-#[derive(Clone, Default)]
-struct SourceDelivery {
-    headers: BTreeMap<String, String>,
-    signing_secret: Option<Vec<u8>>,
-    /// `sources.<name>.allow_private_forward_url`.
-    allow_private: bool,
-}
-
 pub struct Dispatcher {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
@@ -60,14 +49,11 @@ pub struct Dispatcher {
     /// lets a target that is allowed them through. Each message picks by its kind and source.
     guarded: reqwest::Client,
     open: reqwest::Client,
-    backoff: Backoff,
-    lease_ms: u64,
-    /// `dispatch.allow_private_networks`: whether `callbackUrl`s may be internal.
-    allow_private_callbacks: bool,
-    per_host: usize,
+    settings: DispatchSettings,
     permits: Arc<Semaphore>,
     hosts: Mutex<HashMap<String, Arc<Semaphore>>>,
-    sources: HashMap<String, SourceDelivery>,
+    /// Each source's forward headers, signing key and SSRF policy.
+    sources: Sources,
     /// Claims being delivered, so shutdown can hand their leases back.
     in_flight: Mutex<HashMap<String, Lease>>,
     wake: Arc<Notify>,
@@ -79,21 +65,20 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     pub fn new(
-        config: &Config,
+        settings: &Settings,
         store: Arc<dyn Store>,
         clock: Arc<dyn Clock>,
         wake: Arc<Notify>,
     ) -> Result<Dispatcher, reqwest::Error> {
-        let d: &DispatchConfig = &config.dispatch;
-        let timeout = Duration::from_millis(d.request_timeout_ms);
+        let d = &settings.dispatch;
         let client = |allow_private: bool| {
             reqwest::Client::builder()
                 // reqwest honours HTTP(S)_PROXY / ALL_PROXY by default: the guard would then
                 // vet the proxy's address, and the proxy would resolve the target's name
                 // unchecked.
                 .no_proxy()
-                .timeout(timeout)
-                .connect_timeout(timeout.min(Duration::from_secs(5)))
+                .timeout(d.request_timeout)
+                .connect_timeout(d.request_timeout.min(Duration::from_secs(5)))
                 .redirect(reqwest::redirect::Policy::none())
                 .pool_idle_timeout(Duration::from_secs(60))
                 .pool_max_idle_per_host(d.per_host_concurrency)
@@ -101,43 +86,19 @@ impl Dispatcher {
                 .user_agent(concat!("callbackd/", env!("CARGO_PKG_VERSION")))
                 .build()
         };
-        let sources = config
-            .sources
-            .iter()
-            .map(|(name, s)| {
-                let signing_secret = s
-                    .forward_secret
-                    .as_deref()
-                    .and_then(|secret| crate::config::decode_whsec(secret).ok());
-                (
-                    name.clone(),
-                    SourceDelivery {
-                        headers: s.forward_headers.clone(),
-                        signing_secret,
-                        allow_private: s.allow_private_forward_url,
-                    },
-                )
-            })
-            .collect();
         Ok(Dispatcher {
             store,
             clock,
             guarded: client(false)?,
             open: client(true)?,
-            backoff: Backoff {
-                initial_ms: d.initial_backoff_ms,
-                max_ms: d.max_backoff_secs.saturating_mul(1000),
-            },
-            lease_ms: d.lease_secs.saturating_mul(1000),
-            allow_private_callbacks: d.allow_private_networks,
-            per_host: d.per_host_concurrency,
             permits: Arc::new(Semaphore::new(d.concurrency)),
+            settings: d.clone(),
             hosts: Mutex::new(HashMap::new()),
-            sources,
+            sources: settings.sources.clone(),
             in_flight: Mutex::new(HashMap::new()),
             wake,
             stats: None,
-            alerts: Alerts::from_config(config),
+            alerts: settings.alerts.clone(),
         })
     }
 
@@ -157,12 +118,16 @@ impl Dispatcher {
             .permits
             .available_permits()
             .min(CLAIM_BATCH)
-            .min(self.per_host);
+            .min(self.settings.per_host_concurrency);
         if free == 0 {
             return 0;
         }
         let now = self.clock.now_ms();
-        let claimed = match self.store.claim_due(now, free, self.lease_ms).await {
+        let claimed = match self
+            .store
+            .claim_due(now, free, millis(self.settings.lease))
+            .await
+        {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot claim due messages");
@@ -274,11 +239,11 @@ impl Dispatcher {
         let semaphore = {
             let mut hosts = self.hosts.lock().ok()?;
             if hosts.len() >= MAX_TRACKED_HOSTS {
-                hosts.retain(|_, s| s.available_permits() < self.per_host);
+                hosts.retain(|_, s| s.available_permits() < self.settings.per_host_concurrency);
             }
             hosts
                 .entry(host)
-                .or_insert_with(|| Arc::new(Semaphore::new(self.per_host)))
+                .or_insert_with(|| Arc::new(Semaphore::new(self.settings.per_host_concurrency)))
                 .clone()
         };
         tokio::time::timeout(HOST_WAIT, semaphore.acquire_owned())
@@ -300,34 +265,34 @@ impl Dispatcher {
             self.untrack(&c);
             return;
         };
-        let source = match &self.alerts {
+        let forward = match &self.alerts {
             // Alerts are signed with the alert secret, so the receiver can trust them.
-            Some(alerts) if is_alert(&c.message) => SourceDelivery {
-                headers: BTreeMap::new(),
+            Some(alerts) if is_alert(&c.message) => ForwardSettings {
                 signing_secret: Some(alerts.secret().to_vec()),
-                ..SourceDelivery::default()
+                ..ForwardSettings::default()
             },
             _ => c
                 .message
                 .source
                 .as_ref()
                 .and_then(|s| self.sources.get(s))
-                .cloned()
+                .map(|s| s.forward.clone())
                 .unwrap_or_default(),
         };
         let at = self.clock.now_ms();
         let headers = delivery::build_headers(
             &c,
-            &source.headers,
-            source.signing_secret.as_deref(),
+            &forward.headers,
+            forward.signing_secret.as_deref(),
             self.clock.now_secs(),
         );
         // Notifications (and alerts, which are recorded as notifications) go by
         // `dispatch.allow_private_networks`; a source's forwards by its own switch.
         let allow_private = match c.message.kind {
-            MessageKind::Notification => self.allow_private_callbacks,
-            MessageKind::Inbound => source.allow_private,
-        };
+            MessageKind::Notification => self.settings.callback_ssrf,
+            MessageKind::Inbound => forward.ssrf,
+        }
+        .allow_private;
         let client = if allow_private {
             &self.open
         } else {
@@ -338,7 +303,13 @@ impl Dispatcher {
             delivery::send(client, &url, headers, c.message.body.clone(), allow_private).await;
         let latency = started.elapsed();
         let now = self.clock.now_ms();
-        let verdict = delivery::classify(&result, self.backoff, &c, now, rand::random::<f64>());
+        let verdict = delivery::classify(
+            &result,
+            self.settings.backoff,
+            &c,
+            now,
+            rand::random::<f64>(),
+        );
         self.record_metrics(&c, &result, verdict, latency);
         log_failure(&result, verdict, now);
         if let Some(stats) = &self.stats {

@@ -92,7 +92,8 @@ fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     None
 }
 
-#[derive(Debug, Clone, Copy)]
+/// The default refuses internal addresses: opening them is always a switch in the config.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct SsrfGuard {
     pub allow_private: bool,
 }

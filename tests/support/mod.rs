@@ -273,7 +273,7 @@ pub async fn virtual_server(
     let app = &server.app;
     let dispatcher = Arc::new(
         callbackd::dispatch::Dispatcher::new(
-            &app.config,
+            &app.settings,
             app.store.clone(),
             clock.clone(),
             app.wake.clone(),

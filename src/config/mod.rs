@@ -1,0 +1,214 @@
+//! Configuration: `config.toml`, then `CALLBACKD__SECTION__KEY` environment overrides, then
+//! validation. Every error names the key it is about, because an operator reading a failed
+//! start-up log should not have to guess which of forty settings is wrong.
+//!
+//! - this file: the file's shape ([`Config`], one struct per section) and its defaults;
+//! - `load.rs`: the file and the environment, layered;
+//! - `validate.rs`: the checks, and how strong a token must be on a public `server.listen`;
+//! - `sources.rs`: `[sources.<name>]` and the signature schemes;
+//! - `settings.rs`: typed settings per component, derived once when the app is built.
+
+mod load;
+mod settings;
+mod sources;
+mod validate;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+pub use settings::{
+    DispatchSettings, ForwardSettings, ServerSettings, Settings, SourceSettings, Sources,
+    StoreSettings, deadline, millis,
+};
+pub use sources::{SignatureScheme, SourceConfig, decode_whsec};
+
+/// Environment variable naming the config file when `--config` is not given.
+pub const CONFIG_ENV: &str = "CALLBACKD_CONFIG";
+/// Prefix of per-key overrides: `CALLBACKD__STORE__URL=redis://...`.
+pub const OVERRIDE_PREFIX: &str = "CALLBACKD__";
+pub const DEFAULT_CONFIG_PATH: &str = "config.toml";
+/// Expired data is gone at most this long after it expires.
+pub const MAX_SWEEP_INTERVAL_SECS: u64 = 60;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid TOML: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("environment override {var}: {message}")]
+    Override { var: String, message: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub auth: AuthConfig,
+    pub dispatch: DispatchConfig,
+    pub log: LogConfig,
+    pub sources: BTreeMap<String, SourceConfig>,
+    /// Dead-letter alerts (`[alerts]`); none when absent.
+    pub alerts: Option<crate::alerts::AlertsConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: usize,
+    /// How long a SIGTERM waits for in-flight deliveries before releasing their leases.
+    pub shutdown_grace_secs: u64,
+    /// Whole-request deadline once headers are in: a client that trickles its body gets 408.
+    pub request_timeout_secs: u64,
+    /// A client must send its request headers within this time (slowloris protection).
+    pub header_timeout_secs: u64,
+    /// Open connections beyond this wait in the kernel backlog instead of costing memory.
+    pub max_connections: usize,
+    /// HTTP/2 requests open at once on one connection; more are refused (REFUSED_STREAM).
+    pub max_streams_per_connection: u32,
+    /// Request body bytes held in memory at once, all connections together. A body that
+    /// cannot get its share within a second is answered 503 + `Retry-After`.
+    pub max_buffered_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: 1_048_576,
+            shutdown_grace_secs: 30,
+            request_timeout_secs: 30,
+            header_timeout_secs: 10,
+            max_connections: 4096,
+            max_streams_per_connection: 32,
+            max_buffered_bytes: 64 * 1_048_576,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    pub url: String,
+    pub dedupe_ttl_secs: u64,
+    /// How long a payment's status outlives its last transition; at least `dedupe_ttl_secs`,
+    /// so a refund after the dedupe claims are gone still finds the payment.
+    pub payment_retention_secs: u64,
+    /// How often expired claims, seals, payment states and finished messages are deleted.
+    pub sweep_interval_secs: u64,
+    pub require_durable: bool,
+    /// Timeout of every store round trip; past it the request gets a 503, never a hang.
+    pub timeout_ms: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            url: "sqlite://data/callbackd.db".into(),
+            dedupe_ttl_secs: 2_592_000,
+            payment_retention_secs: crate::store::DEFAULT_PAYMENT_RETENTION_SECS,
+            sweep_interval_secs: 30,
+            require_durable: false,
+            timeout_ms: 5_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    pub connector_tokens: Vec<String>,
+    pub admin_tokens: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DispatchConfig {
+    pub max_age_secs: u64,
+    pub initial_backoff_ms: u64,
+    pub max_backoff_secs: u64,
+    pub request_timeout_ms: u64,
+    pub concurrency: usize,
+    /// Deliveries to one host at once, so one slow gateway cannot take every worker.
+    pub per_host_concurrency: usize,
+    /// How long a claimed message stays leased; must exceed `request_timeout_ms` with margin.
+    pub lease_secs: u64,
+    /// SSRF guard for connectors' `callbackUrl`s: true lets them reach loopback, private and
+    /// other internal addresses. A source's `forward_url` has its own switch
+    /// (`sources.<name>.allow_private_forward_url`): config is trusted, hand-offs less so.
+    pub allow_private_networks: bool,
+    /// Set to false to run an ingest-only process (the queue is served by other processes).
+    pub enabled: bool,
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        DispatchConfig {
+            max_age_secs: 604_800,
+            initial_backoff_ms: 1_000,
+            max_backoff_secs: 3_600,
+            request_timeout_ms: 10_000,
+            concurrency: 64,
+            per_host_concurrency: 16,
+            lease_secs: 60,
+            allow_private_networks: false,
+            enabled: true,
+        }
+    }
+}
+
+/// Minimum gap between the request timeout and the lease, so a delivery that is slow but alive
+/// finishes (and acks) before its lease can be reclaimed by another worker.
+pub const LEASE_MARGIN_MS: u64 = 5_000;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// `tracing` filter directive, e.g. `info` or `callbackd=debug`; `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
+    }
+}
+
+/// Where the store lives, parsed from `store.url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    Sqlite(PathBuf),
+    Redis(String),
+}

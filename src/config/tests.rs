@@ -1,0 +1,409 @@
+//! The loader, the validation and the settings, through `Config::from_toml_str`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::clock::Millis;
+
+use super::*;
+
+fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    Config::from_toml_str(
+        text,
+        Path::new("test.toml"),
+        env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+    )
+}
+
+#[test]
+fn defaults_match_the_design() {
+    let c = load("", &[]).unwrap();
+    assert_eq!(c.server.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(c.server.max_body_bytes, 1_048_576);
+    assert_eq!(c.server.max_streams_per_connection, 32);
+    assert_eq!(c.server.max_buffered_bytes, 64 * 1_048_576);
+    assert_eq!(c.store.dedupe_ttl_secs, 2_592_000);
+    assert_eq!(c.store.payment_retention_secs, 400 * 86_400);
+    assert_eq!(c.store.sweep_interval_secs, 30);
+    assert_eq!(c.dispatch.max_age_secs, 604_800);
+    assert_eq!(c.dispatch.initial_backoff_ms, 1000);
+    assert_eq!(c.dispatch.max_backoff_secs, 3600);
+    assert_eq!(c.dispatch.request_timeout_ms, 10_000);
+    assert_eq!(c.dispatch.concurrency, 64);
+    assert!(!c.dispatch.allow_private_networks);
+    assert!(matches!(
+        c.store_location().unwrap(),
+        StoreLocation::Sqlite(_)
+    ));
+}
+
+#[test]
+fn env_overrides_win_and_parse_types() {
+    let c = load(
+        "[server]\nlisten = \"127.0.0.1:1\"\n",
+        &[
+            ("CALLBACKD__SERVER__LISTEN", "127.0.0.1:9000"),
+            ("CALLBACKD__STORE__URL", "redis://127.0.0.1:6379/0"),
+            ("CALLBACKD__DISPATCH__CONCURRENCY", "8"),
+            ("CALLBACKD__SOURCES__P__SIGNATURE", "none"),
+            ("OTHER", "x"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.server.listen.port(), 9000);
+    assert_eq!(
+        c.store_location().unwrap(),
+        StoreLocation::Redis("redis://127.0.0.1:6379/0".into())
+    );
+    assert_eq!(c.dispatch.concurrency, 8);
+    assert_eq!(c.sources["p"].signature, SignatureScheme::None);
+}
+
+#[test]
+fn errors_name_the_key() {
+    let cases = [
+        ("[server]\nlisten = \"nope\"\n", "server.listen"),
+        ("[store]\nurl = \"mysql://x\"\n", "store.url"),
+        ("[dispatch]\nconcurency = 3\n", "dispatch"),
+        ("[dispatch]\nconcurrency = 0\n", "dispatch.concurrency"),
+        (
+            "[store]\ndedupe_ttl_secs = 100\npayment_retention_secs = 99\n",
+            "store.payment_retention_secs",
+        ),
+        (
+            "[store]\nsweep_interval_secs = 61\n",
+            "store.sweep_interval_secs",
+        ),
+        (
+            "[store]\nsweep_interval_secs = 0\n",
+            "store.sweep_interval_secs",
+        ),
+        (
+            "[server]\nmax_streams_per_connection = 0\n",
+            "server.max_streams_per_connection",
+        ),
+        (
+            "[server]\nmax_buffered_bytes = 1000\n",
+            "server.max_buffered_bytes",
+        ),
+        ("[dispatch]\nlease_secs = 10\n", "dispatch.lease_secs"),
+        ("[sources.p]\nsignature = \"payzu\"\n", "sources.p.secrets"),
+        (
+            "[sources.p]\nsignature = \"standard-webhooks\"\nsecrets = [\"whsec_!!\"]\n",
+            "sources.p.secrets[0]",
+        ),
+        (
+            "[sources.p]\nsignature = \"hmac-sha256\"\nsecrets = [\"s\"]\n",
+            "sources.p.signature_header",
+        ),
+        (
+            "[sources.p]\nsignature = \"none\"\ndedupe_fields = [\"status\"]\n",
+            "sources.p.dedupe_fields[0]",
+        ),
+        (
+            "[sources.p]\nsignature = \"rot13\"\n",
+            "sources.p.signature",
+        ),
+        (
+            "[sources.p]\nsignature = \"none\"\nforward_url = \"http://10.1.2.3/hook\"\n",
+            "sources.p.allow_private_forward_url",
+        ),
+        (
+            "[sources.p]\nsignature = \"none\"\nforward_url = \"http://[::1]:9/hook\"\n",
+            "sources.p.forward_url",
+        ),
+    ];
+    for (text, key) in cases {
+        let err = load(text, &[]).unwrap_err().to_string();
+        assert!(err.contains(key), "{text:?}: `{err}` does not name {key}");
+    }
+}
+
+#[test]
+fn empty_secrets_are_refused_for_every_scheme() {
+    let cases = [
+        (
+            "[sources.p]\nsignature = \"payzu\"\nsecrets = [\"\"]\n",
+            "sources.p.secrets[0]",
+        ),
+        (
+            "[sources.p]\nsignature = \"hmac-sha256\"\nsignature_header = \"x-sig\"\n\
+             secrets = [\"long-enough-secret\", \"\"]\n",
+            "sources.p.secrets[1]",
+        ),
+        (
+            "[sources.p]\nsignature = \"standard-webhooks\"\nsecrets = [\"whsec_\"]\n",
+            "sources.p.secrets[0]",
+        ),
+        (
+            "[sources.p]\nsignature = \"standard-webhooks\"\nsecrets = [\"\"]\n",
+            "sources.p.secrets[0]",
+        ),
+        (
+            "[sources.p]\nsignature = \"none\"\nforward_secret = \"whsec_\"\n",
+            "sources.p.forward_secret",
+        ),
+        (
+            "[sources.p]\nsignature = \"none\"\nforward_secret = \"\"\n",
+            "sources.p.forward_secret",
+        ),
+    ];
+    for (text, key) in cases {
+        // Refused on loopback too: an empty key lets anyone sign, wherever it listens.
+        let err = load(text, &[]).unwrap_err().to_string();
+        assert!(err.contains(key), "{text:?}: `{err}` does not name {key}");
+        assert!(err.contains("empty"), "{text:?}: `{err}` does not say why");
+    }
+}
+
+/// Every token and secret key, each given a strong value except `weak_key`, which gets
+/// `weak`.
+fn config_with(weak_key: &str, weak: &str) -> String {
+    let strong = "0123456789abcdef0123456789abcdef";
+    // 32 random-looking bytes, base64.
+    let strong_whsec = "whsec_MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=";
+    let pick = |key: &str, default: &str| {
+        if key == weak_key {
+            weak.to_string()
+        } else {
+            default.to_string()
+        }
+    };
+    format!(
+        "[auth]\nconnector_tokens = [\"{}\"]\nadmin_tokens = [\"{}\"]\n\
+         [sources.p]\nsignature = \"payzu\"\nsecrets = [\"{}\"]\n\
+         [sources.w]\nsignature = \"standard-webhooks\"\nsecrets = [\"{}\"]\n\
+         forward_secret = \"{}\"\n",
+        pick("auth.connector_tokens[0]", strong),
+        pick("auth.admin_tokens[0]", strong),
+        pick("sources.p.secrets[0]", strong),
+        pick("sources.w.secrets[0]", strong_whsec),
+        pick("sources.w.forward_secret", strong_whsec),
+    )
+}
+
+#[test]
+fn placeholders_and_short_secrets_are_refused_off_loopback() {
+    let public = [("CALLBACKD__SERVER__LISTEN", "0.0.0.0:8080")];
+    assert!(
+        load(&config_with("", ""), &public).is_ok(),
+        "strong values pass"
+    );
+    // 8 bytes, base64: long enough as text, too short as a key.
+    let short_whsec = "whsec_MDEyMzQ1Njc=";
+    let cases = [
+        (
+            "auth.connector_tokens[0]",
+            "change-me-connector-token",
+            "placeholder",
+        ),
+        (
+            "auth.admin_tokens[0]",
+            "change-me-admin-token",
+            "placeholder",
+        ),
+        (
+            "auth.admin_tokens[0]",
+            "Change-Me-Please-0123456789",
+            "placeholder",
+        ),
+        ("auth.admin_tokens[0]", "fifteen-bytes!!", "15 bytes"),
+        (
+            "sources.p.secrets[0]",
+            "change-me-payzu-secret",
+            "placeholder",
+        ),
+        ("sources.p.secrets[0]", "short-secret", "12 bytes"),
+        ("sources.w.secrets[0]", short_whsec, "8 bytes"),
+        ("sources.w.forward_secret", short_whsec, "8 bytes"),
+    ];
+    for (key, weak, why) in cases {
+        let text = config_with(key, weak);
+        for listen in ["0.0.0.0:8080", "192.0.2.10:8080", "[::]:8080"] {
+            let err = load(&text, &[("CALLBACKD__SERVER__LISTEN", listen)])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{key} on {listen}: `{err}`");
+            assert!(
+                err.contains(why),
+                "{key} on {listen}: `{err}` lacks `{why}`"
+            );
+            assert!(!err.contains(weak), "the value is never echoed: `{err}`");
+        }
+        for listen in ["127.0.0.1:8080", "[::1]:8080"] {
+            assert!(
+                load(&text, &[("CALLBACKD__SERVER__LISTEN", listen)]).is_ok(),
+                "{key} = {weak:?} is fine on loopback {listen}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_example_config_is_refused_off_loopback() {
+    let example = include_str!("../../config.toml");
+    assert!(
+        load(example, &[]).is_ok(),
+        "it serves on 127.0.0.1 as shipped"
+    );
+    let err = load(example, &[("CALLBACKD__SERVER__LISTEN", "0.0.0.0:8080")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("auth.connector_tokens[0]"), "{err}");
+}
+
+#[test]
+fn private_forward_urls_need_their_own_switch() {
+    let internal = "[sources.p]\nsignature = \"none\"\nforward_url = \"http://10.1.2.3/hook\"\n";
+    // The callbackUrl switch does not open forward_url.
+    let with_dispatch_switch = format!("[dispatch]\nallow_private_networks = true\n{internal}");
+    assert!(load(&with_dispatch_switch, &[]).is_err());
+    let allowed = format!("{internal}allow_private_forward_url = true\n");
+    let c = load(&allowed, &[]).unwrap();
+    assert!(c.sources["p"].allow_private_forward_url);
+    assert!(!c.dispatch.allow_private_networks);
+    // A public address, or a name (checked at delivery, where DNS answers), is fine.
+    for url in [
+        "https://93.184.215.14/hook",
+        "https://merchant.example.com/hook",
+    ] {
+        let text = format!("[sources.p]\nsignature = \"none\"\nforward_url = \"{url}\"\n");
+        assert!(load(&text, &[]).is_ok(), "{url}");
+    }
+}
+
+#[test]
+fn env_values_take_the_type_of_their_key() {
+    let c = load(
+        "[sources.p]\nsignature = \"payzu\"\nsecrets = [\"file-secret-1\"]\n",
+        &[
+            // Digits, a boolean and a date are tokens, secrets and header values too.
+            ("CALLBACKD__AUTH__CONNECTOR_TOKENS", "1234567890123456"),
+            (
+                "CALLBACKD__AUTH__ADMIN_TOKENS",
+                "[\"12345678\", \"87654321\"]",
+            ),
+            ("CALLBACKD__SOURCES__P__SECRETS", "9876543210"),
+            (
+                "CALLBACKD__SOURCES__P__FORWARD_HEADERS__X_API_KEY",
+                "123456",
+            ),
+            ("CALLBACKD__SOURCES__P__FORWARD_HEADERS__X_FLAG", "true"),
+            (
+                "CALLBACKD__SOURCES__P__FORWARD_HEADERS__X_DAY",
+                "1979-05-27",
+            ),
+            ("CALLBACKD__LOG__LEVEL", "\"warn\""),
+            // Numbers and booleans still are where the key wants one.
+            ("CALLBACKD__DISPATCH__CONCURRENCY", "8"),
+            ("CALLBACKD__DISPATCH__ALLOW_PRIVATE_NETWORKS", "true"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.auth.connector_tokens, ["1234567890123456"]);
+    assert_eq!(c.auth.admin_tokens, ["12345678", "87654321"]);
+    let p = &c.sources["p"];
+    assert_eq!(p.secrets, ["9876543210"]);
+    assert_eq!(p.forward_headers["x_api_key"], "123456");
+    assert_eq!(p.forward_headers["x_flag"], "true");
+    assert_eq!(p.forward_headers["x_day"], "1979-05-27");
+    assert_eq!(c.log.level, "warn");
+    assert_eq!(c.dispatch.concurrency, 8);
+    assert!(c.dispatch.allow_private_networks);
+    // A digit token off loopback is judged by its length like any other.
+    let public = [
+        ("CALLBACKD__SERVER__LISTEN", "0.0.0.0:8080"),
+        ("CALLBACKD__AUTH__ADMIN_TOKENS", "123456789012345"),
+    ];
+    let err = load("", &public).unwrap_err().to_string();
+    assert!(
+        err.contains("auth.admin_tokens[0]") && err.contains("15 bytes"),
+        "{err}"
+    );
+}
+
+#[test]
+fn env_values_that_fit_no_reading_keep_their_first_error() {
+    let cases = [
+        (
+            "CALLBACKD__DISPATCH__CONCURRENCY",
+            "eight",
+            "config key `dispatch.concurrency`: invalid type: string \"eight\", expected usize",
+        ),
+        (
+            "CALLBACKD__SERVER__LISTEN",
+            "8080",
+            "config key `server.listen`: invalid type: integer `8080`",
+        ),
+        (
+            "CALLBACKD__AUTH__ADMIN_TOKENS",
+            "[\"12345678\", 9]",
+            "config key `auth.admin_tokens[1]`: invalid type: integer `9`",
+        ),
+        (
+            "CALLBACKD__AUTH__ADMIN_TOKENS",
+            "[\"unclosed-list\"",
+            "config key `auth.admin_tokens`: invalid type: string",
+        ),
+    ];
+    for (var, value, message) in cases {
+        let err = load("", &[(var, value)]).unwrap_err().to_string();
+        assert!(err.starts_with(message), "{var}={value}: `{err}`");
+    }
+}
+
+#[test]
+fn settings_are_typed_and_derived_once() {
+    let c = load(
+        "[server]\nshutdown_grace_secs = 7\nrequest_timeout_secs = 9\n\
+         [store]\ntimeout_ms = 250\ndedupe_ttl_secs = 60\npayment_retention_secs = 120\n\
+         [dispatch]\nmax_age_secs = 3\ninitial_backoff_ms = 200\nmax_backoff_secs = 2\n\
+         request_timeout_ms = 1500\nlease_secs = 7\nallow_private_networks = true\n\
+         [sources.p]\nsignature = \"none\"\nforward_url = \"http://10.1.2.3/hook\"\n\
+         allow_private_forward_url = true\nforward_headers = { Authorization = \"Bearer x\" }\n\
+         forward_secret = \"whsec_MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=\"\n\
+         [sources.q]\nsignature = \"none\"\ndedupe_fields = [\"/id\"]\n",
+        &[],
+    )
+    .unwrap();
+    let s = Settings::from_config(&c).unwrap();
+    assert_eq!(s.server.shutdown_grace, Duration::from_secs(7));
+    assert_eq!(s.server.request_timeout, Duration::from_secs(9));
+    assert_eq!(s.server.header_timeout, Duration::from_secs(10));
+    assert_eq!(s.store.timeout, Duration::from_millis(250));
+    assert_eq!(s.store.dedupe_ttl, Duration::from_secs(60));
+    assert_eq!(s.store.payment_retention, Duration::from_secs(120));
+    assert_eq!(s.store.sweep_interval, Duration::from_secs(30));
+    assert!(matches!(s.store.location, StoreLocation::Sqlite(_)));
+    let d = &s.dispatch;
+    assert_eq!(d.max_age, Duration::from_secs(3));
+    assert_eq!((d.backoff.initial_ms, d.backoff.max_ms), (200, 2_000));
+    assert_eq!(d.request_timeout, Duration::from_millis(1500));
+    assert_eq!(millis(d.lease), 7_000);
+    assert_eq!(d.deadline(1_000), 4_000);
+    assert!(d.callback_ssrf.allow_private);
+    let p = &s.sources["p"];
+    assert_eq!(p.forward_url.as_deref(), Some("http://10.1.2.3/hook"));
+    assert!(p.forward.ssrf.allow_private);
+    assert_eq!(p.forward.headers["Authorization"], "Bearer x");
+    assert_eq!(
+        p.forward.signing_secret.as_deref(),
+        Some(b"0123456789abcdef0123456789abcdef".as_slice())
+    );
+    assert_eq!(
+        p.dedupe_fields.len(),
+        crate::inbound::dedupe::DEFAULT_FIELDS.len()
+    );
+    let q = &s.sources["q"];
+    assert_eq!(q.dedupe_fields, ["/id"]);
+    assert!(!q.forward.ssrf.allow_private && q.forward.signing_secret.is_none());
+    assert!(s.alerts.is_none());
+    let debug = format!("{p:?}");
+    assert!(!debug.contains("Bearer x"), "{debug}");
+}
+
+#[test]
+fn deadlines_saturate() {
+    assert_eq!(deadline(5, Duration::from_secs(u64::MAX)), Millis::MAX);
+    assert_eq!(millis(Duration::from_secs(u64::MAX)), u64::MAX);
+}

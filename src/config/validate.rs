@@ -1,0 +1,197 @@
+//! Checks a parsed config before anything starts: every refusal names its key, and a token or
+//! secret is never echoed. Which tokens are strong enough depends on who can reach
+//! `server.listen` ([`Exposure`]).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use super::{
+    Config, ConfigError, LEASE_MARGIN_MS, MAX_SWEEP_INTERVAL_SECS, StoreLocation, invalid,
+};
+
+/// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
+/// 128 bits, which nobody guesses.
+const MIN_EXPOSED_SECRET_BYTES: usize = 16;
+/// How the example config's placeholders start (`change-me-admin-token`).
+const PLACEHOLDER_PREFIX: &str = "change-me";
+
+/// Who can reach the server, which decides how strong its tokens and secrets must be.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Exposure {
+    /// Only this machine: the example config's placeholders are fine for trying things out.
+    Loopback,
+    Network(SocketAddr),
+}
+
+impl Exposure {
+    /// Refuses a placeholder or short token or secret when the server is reachable from the
+    /// network, where anyone who read the README could use it. `len` is the key's length in
+    /// bytes (decoded, for a `whsec_` secret). The value itself is never echoed.
+    pub(super) fn check(self, key: &str, raw: &str, len: usize) -> Result<(), ConfigError> {
+        let Exposure::Network(listen) = self else {
+            return Ok(());
+        };
+        let bare = raw.strip_prefix("whsec_").unwrap_or(raw);
+        if bare.to_ascii_lowercase().starts_with(PLACEHOLDER_PREFIX) {
+            return Err(invalid(
+                key,
+                format!(
+                    "is a placeholder (`{PLACEHOLDER_PREFIX}...`) and server.listen ({listen}) is \
+                     not loopback: set a random value, e.g. from `openssl rand -hex 32`"
+                ),
+            ));
+        }
+        if len < MIN_EXPOSED_SECRET_BYTES {
+            return Err(invalid(
+                key,
+                format!(
+                    "is {len} bytes and server.listen ({listen}) is not loopback: use at least \
+                     {MIN_EXPOSED_SECRET_BYTES} random bytes, e.g. from `openssl rand -hex 32`"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        self.store_location()?;
+        if let Some(alerts) = &self.alerts {
+            alerts.validate()?;
+        }
+        if self.server.max_body_bytes == 0 {
+            return Err(invalid("server.max_body_bytes", "must be greater than 0"));
+        }
+        for (key, value) in [
+            (
+                "server.request_timeout_secs",
+                self.server.request_timeout_secs,
+            ),
+            (
+                "server.header_timeout_secs",
+                self.server.header_timeout_secs,
+            ),
+            ("server.max_connections", self.server.max_connections as u64),
+            (
+                "server.max_streams_per_connection",
+                u64::from(self.server.max_streams_per_connection),
+            ),
+            ("store.timeout_ms", self.store.timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        if self.server.max_buffered_bytes < self.server.max_body_bytes {
+            return Err(invalid(
+                "server.max_buffered_bytes",
+                format!(
+                    "must be at least server.max_body_bytes ({}), or a body of the largest \
+                     allowed size could never be read",
+                    self.server.max_body_bytes
+                ),
+            ));
+        }
+        if u32::try_from(self.server.max_buffered_bytes).is_err() {
+            return Err(invalid(
+                "server.max_buffered_bytes",
+                format!("must be at most {} (4 GiB - 1)", u32::MAX),
+            ));
+        }
+        if self.store.dedupe_ttl_secs == 0 {
+            return Err(invalid("store.dedupe_ttl_secs", "must be greater than 0"));
+        }
+        if self.store.payment_retention_secs < self.store.dedupe_ttl_secs {
+            return Err(invalid(
+                "store.payment_retention_secs",
+                format!(
+                    "must be at least store.dedupe_ttl_secs ({} s): a payment's state must \
+                     outlive the dedupe claims of its notifications",
+                    self.store.dedupe_ttl_secs
+                ),
+            ));
+        }
+        if !(1..=MAX_SWEEP_INTERVAL_SECS).contains(&self.store.sweep_interval_secs) {
+            return Err(invalid(
+                "store.sweep_interval_secs",
+                format!("must be 1 to {MAX_SWEEP_INTERVAL_SECS} seconds"),
+            ));
+        }
+        let d = &self.dispatch;
+        for (key, value) in [
+            ("dispatch.max_age_secs", d.max_age_secs),
+            ("dispatch.initial_backoff_ms", d.initial_backoff_ms),
+            ("dispatch.max_backoff_secs", d.max_backoff_secs),
+            ("dispatch.request_timeout_ms", d.request_timeout_ms),
+            ("dispatch.concurrency", d.concurrency as u64),
+            (
+                "dispatch.per_host_concurrency",
+                d.per_host_concurrency as u64,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
+        }
+        // Saturating, so an absurd value is refused (or accepted) rather than overflowing.
+        let least_lease_ms = d.request_timeout_ms.saturating_add(LEASE_MARGIN_MS);
+        if d.lease_secs.saturating_mul(1000) < least_lease_ms {
+            return Err(invalid(
+                "dispatch.lease_secs",
+                format!(
+                    "must be at least request_timeout_ms + {LEASE_MARGIN_MS} ms ({} ms), so a slow \
+                     but live delivery is never handed to a second worker",
+                    least_lease_ms
+                ),
+            ));
+        }
+        let exposure = self.exposure();
+        for (list, tokens) in [
+            ("auth.connector_tokens", &self.auth.connector_tokens),
+            ("auth.admin_tokens", &self.auth.admin_tokens),
+        ] {
+            for (i, token) in tokens.iter().enumerate() {
+                let key = format!("{list}[{i}]");
+                if token.len() < 8 {
+                    return Err(invalid(key, "tokens must be at least 8 characters"));
+                }
+                exposure.check(&key, token, token.len())?;
+            }
+        }
+        for (name, source) in &self.sources {
+            source.validate(name, exposure)?;
+        }
+        Ok(())
+    }
+
+    /// Whether tokens and secrets must be unguessable: the server is reachable beyond this
+    /// machine.
+    fn exposure(&self) -> Exposure {
+        if self.server.listen.ip().is_loopback() {
+            Exposure::Loopback
+        } else {
+            Exposure::Network(self.server.listen)
+        }
+    }
+
+    pub fn store_location(&self) -> Result<StoreLocation, ConfigError> {
+        parse_store_url(&self.store.url)
+    }
+}
+
+fn parse_store_url(url: &str) -> Result<StoreLocation, ConfigError> {
+    if let Some(path) = url.strip_prefix("sqlite://") {
+        if path.is_empty() {
+            return Err(invalid("store.url", "sqlite:// needs a file path"));
+        }
+        Ok(StoreLocation::Sqlite(PathBuf::from(path)))
+    } else if url.starts_with("redis://") || url.starts_with("rediss://") {
+        Ok(StoreLocation::Redis(url.to_string()))
+    } else {
+        Err(invalid(
+            "store.url",
+            format!("`{url}` is neither sqlite://PATH nor redis://HOST:PORT/DB"),
+        ))
+    }
+}
