@@ -583,6 +583,8 @@ impl Daemon {
     ) -> Result<Daemon, String> {
         let bin = env!("CARGO_BIN_EXE_callbackd");
         let port = free_port();
+        // The queue-scale phase queues payzu callbacks for the sink on 127.0.0.1 straight
+        // through the store; without `allow_private_forward_url` delivery refuses them.
         let config = format!(
             r#"[server]
 listen = "127.0.0.1:{port}"
@@ -604,6 +606,7 @@ level = "warn"
 [sources.payzu]
 secrets = ["{SECRET}"]
 signature = "payzu"
+allow_private_forward_url = true
 "#
         );
         let config_path = dir.join(format!("{name}.toml"));
@@ -1834,11 +1837,14 @@ async fn phase_queue(env: &Env, report: &mut Report) -> Result<(), String> {
     let urls = [env.redis.url_db(0), env.redis.url_db(1)];
     let mut stores = Vec::new();
     for url in &urls {
-        stores.push(
-            RedisStore::connect(url, Duration::from_secs(10), DEDUPE_TTL_SECS)
-                .await
-                .map_err(|e| e.to_string())?,
-        );
+        let store = RedisStore::connect(url, Duration::from_secs(10), DEDUPE_TTL_SECS)
+            .await
+            .map_err(|e| e.to_string())?;
+        // Stamps the empty store with the layout version, as `callbackd serve` does at start:
+        // an unstamped store with data is taken for the old layout, and the drain's process
+        // would first upgrade every message the bench created.
+        store.upgrade(unix_ms()).await.map_err(|e| e.to_string())?;
+        stores.push(store);
     }
     let target = env.sink_url.clone();
     let tag = &env.run_tag;
