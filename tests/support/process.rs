@@ -1,6 +1,7 @@
 //! Real `callbackd serve` processes for crash, scale-out and shutdown tests.
 
-use std::process::{Child, Command, Stdio};
+use std::fmt;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 use super::redis::free_port;
@@ -8,7 +9,27 @@ use super::redis::free_port;
 pub struct Process {
     pub child: Child,
     pub url: String,
-    _config: tempfile::NamedTempFile,
+    /// The template's config file, kept as long as the process runs; `None` when the caller
+    /// wrote its own ([`Process::spawn`]).
+    _config: Option<tempfile::NamedTempFile>,
+}
+
+/// Why [`Process::spawn`] has no listening process to give back.
+#[derive(Debug)]
+pub enum StartError {
+    Spawn(std::io::Error),
+    Exited(ExitStatus),
+    NotListening(Duration),
+}
+
+impl fmt::Display for StartError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StartError::Spawn(e) => write!(f, "cannot spawn: {e}"),
+            StartError::Exited(status) => write!(f, "exited ({status})"),
+            StartError::NotListening(after) => write!(f, "not listening after {after:?}"),
+        }
+    }
 }
 
 impl Process {
@@ -57,21 +78,60 @@ shutdown_grace_secs = 10
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        let child = cmd.spawn().expect("spawn callbackd");
-        let url = format!("http://127.0.0.1:{port}");
-        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let mut process = Process::spawn(cmd, port, Duration::from_secs(15))
+            .unwrap_or_else(|e| panic!("callbackd did not start: {e}"));
+        process._config = Some(config);
+        process
+    }
+
+    /// Spawns `cmd`, a `callbackd serve` the caller configured to listen on 127.0.0.1:`port`,
+    /// and waits at most `timeout` for that port to take connections. For callers that need
+    /// their own config file, environment or log (the load bench); tests use
+    /// [`Process::start`].
+    pub fn spawn(mut cmd: Command, port: u16, timeout: Duration) -> Result<Process, StartError> {
+        let child = cmd.spawn().map_err(StartError::Spawn)?;
+        // Built before the wait, so a process that never listens is killed on the way out.
+        let mut process = Process {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            _config: None,
+        };
+        let deadline = std::time::Instant::now() + timeout;
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "callbackd did not start"
-            );
+            if let Ok(Some(status)) = process.child.try_wait() {
+                return Err(StartError::Exited(status));
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(StartError::NotListening(timeout));
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Process {
-            child,
-            url,
-            _config: config,
+        Ok(process)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, then SIGKILL if the process is still running after `grace`. Blocks the
+    /// thread while it waits.
+    pub fn stop(&mut self, grace: Duration) {
+        // Once reaped, its pid may already belong to someone else.
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
         }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status();
+        let deadline = std::time::Instant::now() + grace;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Waits for the process to exit, at most `secs`; panics if it does not.

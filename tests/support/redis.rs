@@ -27,7 +27,16 @@ impl RedisServer {
     /// Starts a server with extra command-line settings, e.g. `["--appendonly", "no"]`
     /// (later arguments win).
     pub fn start_with_args(appendfsync: &'static str, extra_args: &[&str]) -> RedisServer {
-        let dir = tempfile::tempdir().expect("temp dir for redis");
+        Self::try_start_with_args(appendfsync, extra_args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`RedisServer::start_with_args`], but a server that cannot start is an error
+    /// rather than a panic (the load bench reports it and exits).
+    pub fn try_start_with_args(
+        appendfsync: &'static str,
+        extra_args: &[&str],
+    ) -> Result<RedisServer, String> {
+        let dir = tempfile::tempdir().map_err(|e| format!("temp dir for redis: {e}"))?;
         let port = free_port();
         let mut server = RedisServer {
             port,
@@ -36,19 +45,29 @@ impl RedisServer {
             appendfsync,
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
         };
-        server.spawn();
-        server
+        server.try_spawn()?;
+        Ok(server)
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        self.url_db(0)
+    }
+
+    /// The URL of logical database `db` (e.g. two stores side by side in one server).
+    pub fn url_db(&self, db: u8) -> String {
+        format!("redis://127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// The server's process id (for its CPU time in /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("redis is running").id()
     }
 
     pub fn dir(&self) -> PathBuf {
         self.dir.path().to_path_buf()
     }
 
-    fn spawn(&mut self) {
+    fn try_spawn(&mut self) -> Result<(), String> {
         let child = Command::new("redis-server")
             .arg("--port")
             .arg(self.port.to_string())
@@ -66,14 +85,14 @@ impl RedisServer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
+            .map_err(|e| {
+                format!(
                     "cannot start `redis-server` ({e}): the tests need Redis 7 on PATH \
                      (Debian: apt-get install redis-server)"
                 )
-            });
+            })?;
         self.child = Some(child);
-        wait_for_port(self.port, true);
+        wait_for_port(self.port, true)
     }
 
     /// Stops the server (SIGKILL when `kill`, else a clean shutdown that finishes the AOF).
@@ -87,7 +106,7 @@ impl RedisServer {
                     .output();
             }
             let _ = child.wait();
-            wait_for_port(self.port, false);
+            wait_for_port(self.port, false).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 
@@ -113,7 +132,7 @@ impl RedisServer {
 
     pub fn start_again(&mut self) {
         assert!(self.child.is_none(), "already running");
-        self.spawn();
+        self.try_spawn().unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// Runs a redis-cli command against this server and returns its stdout.
@@ -140,7 +159,7 @@ pub fn free_port() -> u16 {
         .expect("a free local port")
 }
 
-fn wait_for_port(port: u16, up: bool) {
+fn wait_for_port(port: u16, up: bool) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         let open = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
@@ -151,16 +170,16 @@ fn wait_for_port(port: u16, up: bool) {
                     .args(["-p", &port.to_string(), "ping"])
                     .output();
                 if ping.map(|o| o.stdout.starts_with(b"PONG")).unwrap_or(false) {
-                    return;
+                    return Ok(());
                 }
             } else {
-                return;
+                return Ok(());
             }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!(
+    Err(format!(
         "redis on port {port} did not become {}",
         if up { "ready" } else { "stopped" }
-    );
+    ))
 }

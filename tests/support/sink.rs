@@ -91,6 +91,9 @@ type Responder = dyn Fn(&Received, usize) -> AnswerFuture + Send + Sync;
 
 struct Inner {
     received: Mutex<Vec<Received>>,
+    /// False for [`Sink::start_unrecorded`]: `received` stays empty and `unrecorded` counts.
+    record: bool,
+    unrecorded: AtomicUsize,
     responder: Box<Responder>,
     in_flight: AtomicUsize,
     peak: AtomicUsize,
@@ -141,10 +144,33 @@ impl Sink {
     pub async fn answering(
         responder: impl Fn(&Received, usize) -> Answer + Send + Sync + 'static,
     ) -> Sink {
-        Sink::serve(Box::new(move |r, n| {
-            let answer = responder(r, n);
-            Box::pin(async move { answer })
-        }))
+        Sink::serve(
+            Box::new(move |r, n| {
+                let answer = responder(r, n);
+                Box::pin(async move { answer })
+            }),
+            true,
+        )
+        .await
+    }
+
+    /// Like [`Sink::start`], but keeps nothing of what arrives (`received()` stays empty,
+    /// `count()` still counts): for a long run, such as the load bench's, whose responder
+    /// keeps only what it measures, so the sink neither grows nor spends time copying.
+    pub async fn start_unrecorded(
+        responder: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static,
+    ) -> Sink {
+        Sink::serve(
+            Box::new(move |r, n| {
+                let answer = Answer {
+                    reply: responder(r, n),
+                    content_type: None,
+                    body: Vec::new(),
+                };
+                Box::pin(async move { answer })
+            }),
+            false,
+        )
         .await
     }
 
@@ -152,22 +178,27 @@ impl Sink {
     pub async fn start_async(
         responder: impl Fn(&Received, usize) -> ReplyFuture + Send + Sync + 'static,
     ) -> Sink {
-        Sink::serve(Box::new(move |r, n| {
-            let reply = responder(r, n);
-            Box::pin(async move {
-                Answer {
-                    reply: reply.await,
-                    content_type: None,
-                    body: Vec::new(),
-                }
-            })
-        }))
+        Sink::serve(
+            Box::new(move |r, n| {
+                let reply = responder(r, n);
+                Box::pin(async move {
+                    Answer {
+                        reply: reply.await,
+                        content_type: None,
+                        body: Vec::new(),
+                    }
+                })
+            }),
+            true,
+        )
         .await
     }
 
-    async fn serve(responder: Box<Responder>) -> Sink {
+    async fn serve(responder: Box<Responder>, record: bool) -> Sink {
         let inner = Arc::new(Inner {
             received: Mutex::new(Vec::new()),
+            record,
+            unrecorded: AtomicUsize::new(0),
             responder,
             in_flight: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
@@ -188,7 +219,11 @@ impl Sink {
     }
 
     pub fn count(&self) -> usize {
-        self.inner.received.lock().unwrap().len()
+        if self.inner.record {
+            self.inner.received.lock().unwrap().len()
+        } else {
+            self.inner.unrecorded.load(Ordering::SeqCst)
+        }
     }
 
     /// Requests whose reply has not been sent yet.
@@ -214,10 +249,12 @@ async fn handle(
         body: String::from_utf8_lossy(&body).into_owned(),
     };
     let _in_flight = InFlight::enter(&inner);
-    let index = {
+    let index = if inner.record {
         let mut all = inner.received.lock().unwrap();
         all.push(received.clone());
         all.len() - 1
+    } else {
+        inner.unrecorded.fetch_add(1, Ordering::SeqCst)
     };
     let Answer {
         reply,

@@ -1,0 +1,214 @@
+//! Phase 4, dispatch: notifications handed off to an ingest-only process, then drained into
+//! the sink by a second process with dispatch on; then acceptance-to-first-attempt latency at
+//! a moderate open-loop hand-off rate.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::client::{json_field, notification_request};
+use crate::daemon::Daemon;
+use crate::load::{closed_loop, new_hist, open_loop, percentiles};
+use crate::machine::{cpu_secs, peak_rss_mib};
+use crate::{Env, Report, ms, rate};
+
+pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
+    let plan = env.plan;
+    let n = plan.dispatch_n;
+    eprintln!("[4/6] dispatch: hand off {n} notifications to an ingest-only process");
+    env.sink.reset();
+    let mut ingest_only = Daemon::start(env.dir.path(), "handoff", &env.redis.url(), false).await?;
+    let (host, url, tag) = (
+        ingest_only.host(),
+        env.sink_url.clone(),
+        env.run_tag.clone(),
+    );
+    let handoff = closed_loop(
+        ingest_only.addr,
+        120.0,
+        n,
+        Arc::new(move |i| notification_request(&host, &format!("pay-{tag}-d{i}"), &url)),
+        Arc::new(|_, r| r.status == 202 && !r.replayed),
+    )
+    .await;
+    ingest_only.stop();
+    eprintln!(
+        "  {} hand-offs/s, {}",
+        rate(handoff.per_sec()),
+        percentiles(&handoff.hist)
+    );
+    report.row(
+        "Notification hand-off/s (POST /v1/notifications, dispatch off)",
+        rate(handoff.per_sec()),
+    );
+    report.row("Notification hand-off latency", percentiles(&handoff.hist));
+    if handoff.failed > 0 {
+        report.note(format!(
+            "hand-off: {} requests failed ({})",
+            handoff.failed,
+            handoff.failures()
+        ));
+    }
+    if env.sink.unique() > 0 {
+        report.note("deliveries arrived while dispatch was disabled");
+    }
+
+    eprintln!("  draining {} with a dispatching process", handoff.ok);
+    env.sink.reset();
+    env.redis.reset_stats().await?;
+    let redis_cpu = cpu_secs(Some(env.redis.pid()));
+    let self_cpu = cpu_secs(None);
+    let mut dispatcher = Daemon::start(env.dir.path(), "dispatch", &env.redis.url(), true).await?;
+    let got = env
+        .sink
+        .wait_for(
+            handoff.ok as usize,
+            Duration::from_secs(15),
+            Duration::from_secs_f64(plan.drain_cap_secs),
+        )
+        .await;
+    let (first, last) = env.sink.span().ok_or("nothing was delivered")?;
+    let secs = last.duration_since(first).as_secs_f64().max(1e-6);
+    if let (Some(r0), Some(r1), Some(d), Some(s0), Some(s1)) = (
+        redis_cpu,
+        cpu_secs(Some(env.redis.pid())),
+        cpu_secs(Some(dispatcher.pid)),
+        self_cpu,
+        cpu_secs(None),
+    ) {
+        let per = |secs: f64| secs * 1e6 / got.max(1) as f64;
+        if let Ok(stats) = env.redis.command_stats().await {
+            let per = |n: u64| n as f64 / got.max(1) as f64;
+            report.row(
+                "Dispatch drain: Redis commands per delivery (calls, µs)",
+                stats
+                    .iter()
+                    .take(8)
+                    .map(|(name, calls, usec)| {
+                        format!("{name} {:.2}× {:.1} µs", per(*calls), per(*usec))
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            );
+        }
+        report.row(
+            "Dispatch drain: CPU per delivery",
+            format!(
+                "callbackd {:.0} µs / redis {:.0} µs / sink {:.0} µs",
+                per(d),
+                per(r1 - r0),
+                per(s1 - s0)
+            ),
+        );
+    }
+    let per_sec = (got as f64 - 1.0).max(1.0) / secs;
+    eprintln!("  {} deliveries/s ({got} in {secs:.2} s)", rate(per_sec));
+    report.target(
+        format!(
+            "Dispatch drain: deliveries/s ({got}/{} delivered, first to last arrival)",
+            handoff.ok
+        ),
+        rate(per_sec),
+        "≥ 10,000/s",
+        Some(per_sec >= 10_000.0),
+    );
+    let repeats = env.sink.repeats.load(Ordering::Relaxed);
+    if repeats > 0 {
+        report.note(format!("dispatch drain: {repeats} repeated deliveries"));
+    }
+    if let Some(mib) = peak_rss_mib(dispatcher.pid) {
+        report.row(
+            "Peak RSS of callbackd during the drain",
+            format!("{mib:.1} MiB"),
+        );
+    }
+
+    if (got as u64) < handoff.ok {
+        report.note(format!(
+            "dispatch drain: watched for {} s at most; {got} of {} arrived by then",
+            plan.drain_cap_secs, handoff.ok
+        ));
+    }
+    // A fresh process on an empty queue, so a backlog left by a capped drain does not
+    // compete with the latency measurement.
+    dispatcher.stop();
+    env.redis.flushall().await?;
+    let mut dispatcher =
+        Daemon::start(env.dir.path(), "first-attempt", &env.redis.url(), true).await?;
+
+    eprintln!(
+        "  first-attempt latency: open-loop hand-off at {}/s for {} s",
+        plan.first_rate, plan.first_secs
+    );
+    env.sink.reset();
+    let accepted_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let (host, url, tag) = (dispatcher.host(), env.sink_url.clone(), env.run_tag.clone());
+    let record = accepted_at.clone();
+    let handoffs = open_loop(
+        dispatcher.addr,
+        plan.first_rate,
+        plan.first_secs,
+        Arc::new(move |i| notification_request(&host, &format!("pay-{tag}-f{i}"), &url)),
+        Arc::new(move |_, r| {
+            let now = Instant::now();
+            match (r.status, json_field(&r.body, "notificationId")) {
+                (202, Some(id)) => {
+                    if let Ok(mut m) = record.lock() {
+                        m.insert(id, now);
+                    }
+                    true
+                }
+                _ => false,
+            }
+        }),
+    )
+    .await;
+    let accepted = accepted_at.lock().map(|m| m.clone()).unwrap_or_default();
+    let got = env
+        .sink
+        .wait_for(
+            accepted.len(),
+            Duration::from_secs(10),
+            Duration::from_secs(30),
+        )
+        .await;
+    let arrivals = env.sink.snapshot();
+    let mut hist = new_hist();
+    let mut early = 0;
+    for (id, at) in &accepted {
+        if let Some(arrived) = arrivals.get(id) {
+            if arrived < at {
+                early += 1;
+            }
+            hist.saturating_record(arrived.saturating_duration_since(*at).as_micros() as u64);
+        }
+    }
+    let p99 = hist.value_at_quantile(0.99);
+    eprintln!("  first attempt {}", percentiles(&hist));
+    report.target(
+        format!(
+            "First attempt after acceptance ({}/s hand-off, {got}/{} delivered)",
+            plan.first_rate,
+            accepted.len()
+        ),
+        format!("p50 {} / p99 {}", ms(hist.value_at_quantile(0.5)), ms(p99)),
+        "p99 ≤ 100 ms",
+        Some(!hist.is_empty() && p99 <= 100_000 && got == accepted.len()),
+    );
+    if early > 0 {
+        report.note(format!(
+            "first attempt: {early} deliveries reached the sink before the client had read the 202 (counted as 0 ms)"
+        ));
+    }
+    if handoffs.failed > 0 {
+        report.note(format!(
+            "first-attempt hand-off: {} requests failed ({})",
+            handoffs.failed,
+            handoffs.failures()
+        ));
+    }
+    dispatcher.stop();
+    env.redis.flushall().await?;
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! Phase 5's memory figures: Redis memory per accepted callback (the `used_memory` delta of
+//! the day-ahead backlog) and per dedupe key (sampled `MEMORY USAGE`, then the exact cost,
+//! measured by deleting every dedupe key).
+
+use std::time::{Duration, Instant};
+
+use callbackd::store::redis::RedisStore;
+
+use crate::direct_store::bulk_accept;
+use crate::{DAY_MS, Env, Report, rate};
+
+/// Fills `store` (db 1) with the backlog phase 5 measures against: `future_n` callbacks due
+/// in 24 h.
+pub async fn backlog(
+    env: &Env,
+    store: &RedisStore,
+    target: &str,
+    report: &mut Report,
+) -> Result<(), String> {
+    let plan = env.plan;
+    let tag = &env.run_tag;
+    let mem_before = env.redis.used_memory().await?;
+    let keys_before = env.redis.dbsize(1).await?;
+    eprintln!(
+        "  accepting {} messages due in 24 h through Store::accept",
+        plan.future_n
+    );
+    let (future, took) = bulk_accept(
+        store,
+        &format!("{tag}-future"),
+        plan.future_n,
+        DAY_MS,
+        target,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mem_after = env.redis.used_memory().await?;
+    let keys_after = env.redis.dbsize(1).await?;
+    report.row(
+        "Store::accept direct (256 in flight, one connection)",
+        format!(
+            "{}/s ({future} in {:.1} s)",
+            rate(future as f64 / took.as_secs_f64()),
+            took.as_secs_f64()
+        ),
+    );
+    let per_callback = mem_after.saturating_sub(mem_before) as f64 / future.max(1) as f64;
+    let keys_per = keys_after.saturating_sub(keys_before) as f64 / future.max(1) as f64;
+    report.row(
+        "Redis memory per accepted callback (claim + record + queue + indexes; used_memory delta)",
+        format!("{per_callback:.0} B ({keys_per:.1} keys per callback)"),
+    );
+    Ok(())
+}
+
+/// Runs after the backlog phase, on every dedupe key it left in db 1.
+pub async fn dedupe_keys(env: &Env, report: &mut Report) -> Result<(), String> {
+    eprintln!("  measuring dedupe keys");
+    let mut conn = env.redis.conn_db(1).await?;
+    let mut cursor: u64 = 0;
+    let mut keys: Vec<String> = Vec::new();
+    let scan_started = Instant::now();
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg("cb:*:d:*")
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 || scan_started.elapsed() > Duration::from_secs(120) {
+            break;
+        }
+    }
+    let sample: Vec<&String> = keys
+        .iter()
+        .step_by((keys.len() / 1000).max(1))
+        .take(1000)
+        .collect();
+    let mut pipe = redis::pipe();
+    for k in &sample {
+        pipe.cmd("MEMORY")
+            .arg("USAGE")
+            .arg(k.as_str())
+            .arg("SAMPLES")
+            .arg(0);
+    }
+    let usages: Vec<Option<u64>> = pipe
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let usage_total: u64 = usages.iter().flatten().sum();
+    let usage_avg = usage_total as f64 / sample.len().max(1) as f64;
+    let key_len = sample.iter().map(|k| k.len()).sum::<usize>() as f64 / sample.len().max(1) as f64;
+    let mut value_len = 0usize;
+    if let Some(k) = sample.first() {
+        let v: Option<String> = redis::cmd("GET")
+            .arg(k.as_str())
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        value_len = v.map(|v| v.len()).unwrap_or(0);
+    }
+    // Exact cost: delete every dedupe key and see how much memory comes back (includes the
+    // keyspace and expires dictionary entries, which MEMORY USAGE leaves out).
+    let before_delete = env.redis.used_memory().await?;
+    for chunk in keys.chunks(1000) {
+        redis::cmd("DEL")
+            .arg(chunk)
+            .query_async::<u64>(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let after_delete = env.redis.used_memory().await?;
+    let per_key = before_delete.saturating_sub(after_delete) as f64 / keys.len().max(1) as f64;
+    report.target(
+        format!(
+            "Redis memory per dedupe key ({} keys deleted: used_memory delta)",
+            keys.len()
+        ),
+        format!("{per_key:.0} B"),
+        "≤ 120 B",
+        Some(per_key <= 120.0),
+    );
+    report.row(
+        "Redis MEMORY USAGE per dedupe key (sample of 1000)",
+        format!("{usage_avg:.0} B (key {key_len:.0} chars, value {value_len} bytes; excludes the expires entry)"),
+    );
+    Ok(())
+}
