@@ -11,6 +11,7 @@
 //! `dead`, which promotes the next message of the same key) or schedules its next attempt.
 
 pub mod ids;
+pub mod lifecycle;
 pub mod redis;
 pub mod sqlite;
 pub mod sweeper;
