@@ -148,7 +148,7 @@ fn live<'a, T>(map: &'a BTreeMap<String, Expiring<T>>, key: &str, now: Millis) -
     map.get(key).filter(|e| e.ends_at > now).map(|e| &e.value)
 }
 
-fn after(now: Millis, ms: u64) -> Millis {
+fn plus_ms(now: Millis, ms: u64) -> Millis {
     now.saturating_add(i64::try_from(ms).unwrap_or(i64::MAX))
 }
 
@@ -310,7 +310,7 @@ pub fn accept(model: &mut Model, req: &AcceptRequest, now: Millis) -> AcceptOutc
         fingerprint: req.dedupe.fingerprint.clone(),
         response: req.dedupe.response.clone(),
     };
-    let ends_at = after(now, req.dedupe.ttl_secs.saturating_mul(1000));
+    let ends_at = plus_ms(now, req.dedupe.ttl_secs.saturating_mul(1000));
     model.claims.insert(
         req.dedupe.key.clone(),
         Expiring {
@@ -372,7 +372,7 @@ pub fn claim(model: &mut Model, now: Millis, limit: usize, lease_ms: u64) -> Vec
         .collect();
     due.sort();
     due.truncate(limit);
-    let lease_until = after(now, lease_ms);
+    let lease_until = plus_ms(now, lease_ms);
     let mut leases = Vec::with_capacity(due.len());
     for (_, id) in due {
         if let Some(m) = model.messages.get_mut(&id) {

@@ -268,6 +268,41 @@ fn an_expedited_message_resumes_its_schedule() {
 }
 
 #[test]
+fn a_released_expedited_attempt_keeps_the_first_time_to_resume_at() {
+    let mut m = Model::new(LIFETIMES);
+    let id = accept_new(&mut m, "pay/1", T0);
+    let c = claim_one(&mut m, T0, &id);
+    let original = T0 + 100_000;
+    assert!(finish(
+        &mut m,
+        &c,
+        Completion::Retry { next_at: original },
+        T0 + 1
+    ));
+    resend(&mut m, &id, mark(T0 + 2), T0 + DAY, T0 + 2);
+    let c = claim_one(&mut m, T0 + 2, &id);
+    // Given back (shutdown) for later, then expedited again: neither the release nor the
+    // second resend replaces the time the schedule resumes at.
+    assert!(release(&mut m, &c, T0 + 50_000));
+    assert_eq!(msg(&m, &id).resume_at, Some(original));
+    assert_eq!(
+        resend(&mut m, &id, mark(T0 + 3), T0 + DAY, T0 + 3),
+        ResendEffect::Expedited
+    );
+    assert_eq!(msg(&m, &id).due_at, Some(T0 + 3));
+    let c = claim_one(&mut m, T0 + 3, &id);
+    assert!(finish(
+        &mut m,
+        &c,
+        Completion::Retry {
+            next_at: T0 + 4_000
+        },
+        T0 + 4
+    ));
+    assert_eq!(msg(&m, &id).due_at, Some(original));
+}
+
+#[test]
 fn a_resend_in_flight_delivers_once_more_not_forever() {
     let mut m = Model::new(LIFETIMES);
     let id = accept_new(&mut m, "pay/1", T0);
