@@ -107,12 +107,14 @@ struct Current {
     delivery_attempts: i64,
     due_at: Option<Millis>,
     ordering_key: String,
+    /// When a finished message's retention ends; `None` while it is unfinished.
+    expires_at: Option<Millis>,
 }
 
 fn current(conn: &Connection, id: &str) -> Result<Option<Current>, StoreError> {
     conn.prepare_cached(
         "SELECT state, lease_token, resume_at, deliver_again, delivery_attempts, due_at, \
-         ordering_key FROM messages WHERE id = ?1",
+         ordering_key, expires_at FROM messages WHERE id = ?1",
     )
     .db()?
     .query_row(params![id], |r| {
@@ -124,6 +126,7 @@ fn current(conn: &Connection, id: &str) -> Result<Option<Current>, StoreError> {
             delivery_attempts: r.get(4)?,
             due_at: r.get(5)?,
             ordering_key: r.get(6)?,
+            expires_at: r.get(7)?,
         })
     })
     .optional()
@@ -257,7 +260,9 @@ pub(super) fn resend(
     };
     let state = MessageState::parse(&cur.state)
         .ok_or_else(|| corrupt(format!("message {id} has state `{}`", cur.state)))?;
-    if state == MessageState::Recorded {
+    // A finished message whose retention ended is gone, swept or not.
+    let ended = cur.expires_at.is_some_and(|end| end <= now);
+    if state == MessageState::Recorded || ended {
         return Ok(ResendEffect::Skipped);
     }
     record_history(conn, id, mark_json)?;

@@ -9,8 +9,13 @@ local state = cur[1]
 if not state or state == 'recorded' then
   return 'skipped'
 end
-append_history(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[5]))
 local now = tonumber(ARGV[4])
+-- A finished message whose retention ended is gone, swept or not (store::lifecycle::resend).
+local ends = redis.call('ZSCORE', KEYS[8], 'm:' .. id)
+if ends and tonumber(ends) <= now then
+  return 'skipped'
+end
+append_history(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[5]))
 if state == 'delivered' or state == 'dead' then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'dl', ARGV[3], 'rb', cur[3])
   -- live again: no longer due for the sweeper (v1 stores also had TTLs on these keys)
