@@ -14,6 +14,7 @@ pub mod config;
 pub mod digest;
 pub mod dispatch;
 pub mod durability;
+pub mod handoff;
 pub mod http;
 pub mod inbound;
 pub mod metrics;
@@ -21,6 +22,7 @@ pub mod payment;
 pub mod stats;
 pub mod store;
 pub mod trace;
+pub mod webhook;
 
 use std::sync::Arc;
 

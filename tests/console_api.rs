@@ -10,10 +10,10 @@ use std::sync::Arc;
 use axum::http::HeaderMap;
 use callbackd::alerts::AlertsConfig;
 use callbackd::clock::Clock;
-use callbackd::config::decode_whsec;
 use callbackd::dispatch::Dispatcher;
-use callbackd::inbound::signature::Verifier;
 use callbackd::trace::TraceParent;
+use callbackd::webhook::Verifier;
+use callbackd::webhook::decode_whsec;
 use serde_json::{Value, json};
 use support::redis::RedisServer;
 use support::sink::{Answer, Reply, Sink};
@@ -560,7 +560,7 @@ async fn traceparent_travels_from_the_request_to_each_delivery() {
     // A provider callback forwarded to the merchant.
     let body =
         r#"{"id":"tx-trace","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":1}"#;
-    let signature = callbackd::inbound::signature::sign_payzu(
+    let signature = callbackd::webhook::sign_payzu(
         support::PAYZU_SECRET.as_bytes(),
         server.app.clock.now_secs(),
         body.as_bytes(),

@@ -53,7 +53,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use callbackd::inbound::signature::sign_payzu;
+use callbackd::webhook::sign_payzu;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 use support::redis::RedisServer;

@@ -1400,11 +1400,8 @@ forward_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
     let client = support::client();
     let body = r#"{"id":"tx-log","status":"COMPLETED"}"#;
     let now = callbackd::clock::SystemClock.now_secs();
-    let signature = callbackd::inbound::signature::sign_payzu(
-        support::PAYZU_SECRET.as_bytes(),
-        now,
-        body.as_bytes(),
-    );
+    let signature =
+        callbackd::webhook::sign_payzu(support::PAYZU_SECRET.as_bytes(), now, body.as_bytes());
     let r = client
         .post(format!("{base}/v1/callbacks/payzu"))
         .header("x-callback-signature", &signature)

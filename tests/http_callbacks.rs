@@ -4,7 +4,7 @@ mod support;
 
 use std::time::Duration;
 
-use callbackd::inbound::signature::sign_payzu;
+use callbackd::webhook::sign_payzu;
 use support::redis::RedisServer;
 use support::{TestServer, config};
 

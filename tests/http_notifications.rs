@@ -915,9 +915,9 @@ async fn inbound_callbacks_are_forwarded_and_signed() {
         Some("Bearer merchant")
     );
     // The merchant verifies the forward with the Standard Webhooks scheme.
-    let verifier = callbackd::inbound::signature::Verifier::StandardWebhooks {
+    let verifier = callbackd::webhook::Verifier::StandardWebhooks {
         secrets: vec![
-            callbackd::config::decode_whsec("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap(),
+            callbackd::webhook::decode_whsec("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap(),
         ],
         tolerance_secs: 300,
     };

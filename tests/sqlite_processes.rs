@@ -173,7 +173,7 @@ async fn the_default_config_runs_without_redis() {
     assert_eq!(ready.status(), 200);
     assert!(dir.path().join("data/callbackd.db").exists());
     let body = r#"{"id":"tx-readme","status":"COMPLETED"}"#;
-    let sig = callbackd::inbound::signature::sign_payzu(
+    let sig = callbackd::webhook::sign_payzu(
         b"change-me-payzu-secret",
         callbackd::clock::Clock::now_secs(&callbackd::clock::SystemClock),
         body.as_bytes(),

@@ -6,9 +6,7 @@
 //! Input: the header value, a NUL byte, then the body.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
-use callbackd::inbound::signature::{
-    Verifier, parse_payzu_header, parse_standard_signatures, sign_payzu,
-};
+use callbackd::webhook::{Verifier, parse_payzu_header, parse_standard_signatures, sign_payzu};
 
 pub fn check(data: &[u8]) {
     let split = data.iter().position(|b| *b == 0).unwrap_or(data.len());

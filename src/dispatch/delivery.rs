@@ -10,12 +10,10 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 
 use super::schedule::{Backoff, Next, next_attempt};
 use super::ssrf::{REFUSED_ADDRESS, is_forbidden};
-use crate::inbound::signature::sign_standard_webhook;
 use crate::store::{Completion, KEPT_BODY_BYTES, Lease, ReceiverAnswer};
-
-pub const MESSAGE_ID_HEADER: &str = "x-callbackd-message-id";
-pub const ATTEMPT_HEADER: &str = "x-callbackd-attempt";
-pub const EVENT_HEADER: &str = "x-callback-event";
+use crate::webhook::{ATTEMPT_HEADER, MESSAGE_ID_HEADER, standard_webhook_headers};
+// Moved to `webhook`; cli.rs still imports it from here until it switches.
+pub use crate::webhook::EVENT_HEADER;
 
 /// Bytes of a response body read before the connection is given back to the pool; the rest
 /// is dropped with the connection. Receivers answer with small bodies; a huge one must not
@@ -165,13 +163,9 @@ pub fn build_headers(
         headers.insert(EVENT_HEADER, event);
     }
     if let Some(secret) = signing_secret {
-        let signature =
-            sign_standard_webhook(secret, msg.id.as_str(), now_secs, msg.body.as_bytes());
-        for (name, value) in [
-            ("webhook-id", msg.id.to_string()),
-            ("webhook-timestamp", now_secs.to_string()),
-            ("webhook-signature", signature),
-        ] {
+        let signed =
+            standard_webhook_headers(secret, msg.id.as_str(), now_secs, msg.body.as_bytes());
+        for (name, value) in signed {
             if let Ok(v) = HeaderValue::from_str(&value) {
                 headers.insert(name, v);
             }
@@ -270,6 +264,7 @@ fn error_class(e: &reqwest::Error) -> &'static str {
 mod tests {
     use super::*;
     use crate::store::{MessageId, MessageKind, NewMessage};
+    use crate::webhook::{WEBHOOK_ID, WEBHOOK_SIGNATURE};
 
     fn claimed(backoff_step: u32, deadline: Millis) -> Lease {
         Lease {
@@ -424,7 +419,7 @@ mod tests {
         assert_eq!(h[ATTEMPT_HEADER], "3");
         assert_eq!(h[EVENT_HEADER], "PIX_RECEIVED");
         assert_eq!(h["x-vtex-api-appkey"], "key");
-        assert_eq!(h["webhook-id"], c.message.id.as_str());
-        assert!(h["webhook-signature"].to_str().unwrap().starts_with("v1,"));
+        assert_eq!(h[WEBHOOK_ID], c.message.id.as_str());
+        assert!(h[WEBHOOK_SIGNATURE].to_str().unwrap().starts_with("v1,"));
     }
 }

@@ -1,7 +1,7 @@
 //! Operator routes: inspect messages and their attempts, list with filters and a stable
 //! cursor, resend (like PayZu's `POST /user/callbacks/resend`, idempotent with `requestId`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,21 +11,23 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use tokio::sync::oneshot;
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::{Role, require};
+use super::views::{MessagePage, MessageView};
 use super::{path_segment, raw_json, read_body};
 use crate::app::App;
-use crate::clock::{RFC3339_FORMS, format_iso, parse_rfc3339};
+use crate::clock::{RFC3339_FORMS, parse_rfc3339};
 use crate::digest::short_hash;
+use crate::dispatch::schedule;
 use crate::http::error::{ApiError, ErrorBody, ErrorCode};
+use crate::inbound;
 use crate::metrics as m;
 use crate::payment;
 use crate::store::{
-    Attempt, ListFilter, MessageId, MessageKind, MessageRecord, MessageState, OperationReservation,
-    ResendEffect, StoreError, matches_filter,
+    Attempt, ListFilter, MessageId, MessageState, OperationReservation, ResendEffect, StoreError,
+    matches_filter,
 };
 
 const DEFAULT_LIMIT: usize = 100;
@@ -41,73 +43,6 @@ const RESEND_BATCH: usize = 500;
 const RESEND_RESERVATION_SECS: u64 = 300;
 /// Longest pause between attempts to record a resend's answer while the store refuses it.
 const RECORD_RETRY_MAX: Duration = Duration::from_secs(5);
-
-/// A message as operators see it. Header values are redacted: they carry gateway tokens.
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct MessageView {
-    pub id: String,
-    pub kind: MessageKind,
-    pub state: MessageState,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub source: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub payment_id: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub transaction_id: Option<String>,
-    pub ordering_key: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub event: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub target_url: Option<String>,
-    pub headers: BTreeMap<String, String>,
-    pub created_at: String,
-    pub deadline: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub next_attempt_at: Option<String>,
-    /// Delivery attempts made.
-    pub attempt_count: u32,
-    /// Delivery attempts and resend marks, oldest first (`at` in ms since the epoch): the
-    /// first row and the latest 100. Only on the detail view.
-    pub attempts: Vec<Attempt>,
-    /// History rows ever recorded, including those no longer kept in `attempts`.
-    pub history_total: u64,
-    #[schema(value_type = Object)]
-    pub body: Value,
-}
-
-impl MessageView {
-    fn from_record(record: MessageRecord, with_attempts: bool) -> MessageView {
-        let m = record.message;
-        MessageView {
-            id: m.id.to_string(),
-            kind: m.kind,
-            state: record.state,
-            source: m.source,
-            payment_id: m.payment_id,
-            transaction_id: m.transaction_id,
-            ordering_key: m.ordering_key,
-            event: m.event,
-            target_url: m.target_url,
-            headers: m
-                .headers
-                .into_keys()
-                .map(|k| (k, "[redacted]".to_string()))
-                .collect(),
-            created_at: format_iso(m.created_at),
-            deadline: format_iso(record.deadline),
-            next_attempt_at: record.next_attempt_at.map(format_iso),
-            attempt_count: record.delivery_attempts,
-            history_total: record.history_total,
-            attempts: if with_attempts {
-                record.history
-            } else {
-                Vec::new()
-            },
-            body: serde_json::from_str(&m.body).unwrap_or(Value::String(m.body)),
-        }
-    }
-}
 
 /// Inspect one message and every attempt.
 #[utoipa::path(
@@ -159,15 +94,6 @@ pub struct ListQuery {
     pub limit: Option<usize>,
     /// `nextCursor` of the previous page: the last message id it listed.
     pub cursor: Option<String>,
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct MessagePage {
-    pub messages: Vec<MessageView>,
-    /// Pass as `cursor` for the next page (the last id of this one); absent at the end.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub next_cursor: Option<String>,
 }
 
 fn bad(message: impl Into<String>) -> ApiError {
@@ -228,7 +154,7 @@ impl Selection {
                         ));
                     }
                 };
-                Ok(format!("src/{source}/{t}"))
+                Ok(inbound::accept::ordering_key(&source, t))
             })
             .transpose()?;
         let ordering_key = match (&self.payment_id, transaction_key) {
@@ -635,7 +561,7 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
         response: None,
     };
     let fresh_deadline =
-        now.saturating_add(app.config.dispatch.max_age_secs.saturating_mul(1000) as i64);
+        schedule::deadline(now, Duration::from_secs(app.config.dispatch.max_age_secs));
     let effect = app.store.resend(id, mark, fresh_deadline, now).await?;
     metrics::counter!(m::RESENDS, "effect" => m::resend_effect(effect)).increment(1);
     Ok(effect != ResendEffect::Skipped)

@@ -1,39 +1,27 @@
 //! `POST /v1/callbacks/{source}`: verify, derive the dedupe key, claim and record in one
-//! atomic store call, and only then answer 200.
+//! atomic store call, and only then answer 200. What is recorded is decided by
+//! `inbound::accept`; this reads the request and maps the outcome.
 
-use crate::clock::Millis;
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::Response;
-use serde::Serialize;
 use serde_json::Value;
-use utoipa::ToSchema;
 
-use super::{path_segment, raw_json, read_body};
+use super::record::{Recorded, Route, answer, record};
+use super::{path_segment, read_body};
 use crate::app::App;
-use crate::digest::short_hash;
-use crate::dispatch::delivery::EVENT_HEADER;
 use crate::http::error::{ApiError, ErrorBody, ErrorCode};
-use crate::inbound::dedupe;
-use crate::inbound::signature::Verified;
-use crate::metrics as m;
-use crate::store::{
-    AcceptOutcome, AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, SignatureSeal,
-};
+use crate::inbound::accept::{Callback, CallbackAccepted, SourceSettings, accept_request};
+use crate::webhook::EVENT_HEADER;
 
 /// Longest accepted `X-Callback-Event`: event names are short constants.
 pub const MAX_EVENT_LEN: usize = 128;
-
-#[derive(Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct CallbackAccepted {
-    pub message_id: String,
-}
 
 /// Receive a provider callback.
 ///
@@ -70,18 +58,12 @@ pub async fn receive(
     let started = Instant::now();
     let source_name = path_segment(path)?;
     let result = accept(&app, &source_name, &headers, body).await;
-    let outcome = m::callback_outcome(result.as_ref().map(|(_, r)| *r).map_err(ApiError::code));
-    // Unknown names are not labels: a scanner must not be able to grow the metric set.
-    let label = if app.sources.contains_key(&source_name) {
+    let source = if app.sources.contains_key(&source_name) {
         source_name
     } else {
         "unknown".to_string()
     };
-    metrics::counter!(m::CALLBACKS, "source" => label, "outcome" => outcome).increment(1);
-    metrics::histogram!(m::ACCEPT_SECONDS, "route" => "callbacks")
-        .record(started.elapsed().as_secs_f64());
-    let (response, replayed) = result?;
-    Ok(raw_json(StatusCode::OK, response, replayed))
+    answer(Route::Callbacks { source }, started, result)
 }
 
 async fn accept(
@@ -89,7 +71,7 @@ async fn accept(
     source_name: &str,
     headers: &HeaderMap,
     body: Body,
-) -> Result<(String, bool), ApiError> {
+) -> Result<Recorded, ApiError> {
     let source = app
         .sources
         .get(source_name)
@@ -105,74 +87,26 @@ async fn accept(
             format!("body is not valid JSON: {e}"),
         )
     })?;
-    let event = event_header(headers)?;
-    let key = dedupe::derive(&source.name, &json, event.as_deref(), &source.dedupe_fields)
-        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidCallback, e.to_string()))?;
+    let mut carried = BTreeMap::new();
+    crate::trace::carry(headers, &mut carried);
+    let callback = Callback {
+        body: &bytes,
+        json: &json,
+        event: event_header(headers)?,
+        verified,
+        headers: carried,
+    };
+    let settings = SourceSettings {
+        name: &source.name,
+        dedupe_fields: &source.dedupe_fields,
+        forward_url: source.forward_url.as_deref(),
+        window: Duration::from_secs(app.config.dispatch.max_age_secs),
+        dedupe_ttl: Duration::from_secs(app.config.store.dedupe_ttl_secs),
+    };
     let now = app.clock.now_ms();
-    let ordering_key = format!("src/{}/{}", source.name, key.transaction_id);
-    let id = MessageId::generate(now, &ordering_key);
-    let response = serde_json::to_string(&CallbackAccepted {
-        message_id: id.to_string(),
-    })
-    .map_err(|e| ApiError::bad_request(ErrorCode::InvalidCallback, e.to_string()))?;
-    let max_age_ms = app.config.dispatch.max_age_secs.saturating_mul(1000) as i64;
-    let message = NewMessage {
-        id,
-        kind: MessageKind::Inbound,
-        source: Some(source.name.clone()),
-        payment_id: None,
-        transaction_id: Some(key.transaction_id),
-        ordering_key,
-        event,
-        target_url: source.forward_url.clone(),
-        headers: {
-            let mut stored = Default::default();
-            crate::trace::carry(headers, &mut stored);
-            stored
-        },
-        // Valid JSON is valid UTF-8, so this never fails after the parse above.
-        body: String::from_utf8_lossy(&bytes).into_owned(),
-        created_at: now,
-        deadline: now.saturating_add(max_age_ms),
-    };
-    let request = AcceptRequest {
-        dedupe: DedupeClaim {
-            key: key.key,
-            ttl_secs: app.config.store.dedupe_ttl_secs,
-            fingerprint: String::new(),
-            response: response.clone(),
-        },
-        seal: verified.map(|v| seal(&source.name, &v, now, app.config.store.dedupe_ttl_secs)),
-        message,
-        payment: None,
-    };
-    match app.store.accept(request, now).await? {
-        AcceptOutcome::Accepted => {
-            app.wake.notify_one();
-            Ok((response, false))
-        }
-        AcceptOutcome::Replayed { response } => Ok((response, true)),
-        AcceptOutcome::Conflict | AcceptOutcome::InvalidTransition { .. } => {
-            Err(ApiError::Unavailable(crate::store::StoreError::Corrupt(
-                "inbound claim answered like a notification".into(),
-            )))
-        }
-    }
-}
-
-/// Makes a verified signature single-use for as long as it could verify again. A scheme with
-/// a timestamp stops verifying after its tolerance; `hmac-sha256` never does, so its
-/// signatures are remembered as long as dedupe claims.
-fn seal(source: &str, verified: &Verified, now: Millis, dedupe_ttl_secs: u64) -> SignatureSeal {
-    let expires_at = match verified.valid_until_secs {
-        Some(secs) => secs.saturating_add(1).saturating_mul(1000).max(now + 1),
-        None => now.saturating_add(i64::try_from(dedupe_ttl_secs).unwrap_or(i64::MAX) * 1000),
-    };
-    let scoped = serde_json::json!([source, hex::encode(&verified.signature)]);
-    SignatureSeal {
-        key: short_hash(scoped.to_string().as_bytes()),
-        expires_at,
-    }
+    let request = accept_request(&settings, callback, now)
+        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidCallback, e.to_string()))?;
+    record(app, request, now).await
 }
 
 fn event_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {

@@ -1,5 +1,8 @@
-//! HTTP routers. Handlers are thin: parse and check input, call pure logic, make one store
-//! call, shape the answer. Errors are mapped to HTTP in `error.rs`.
+//! HTTP routes. A handler parses and checks its input, asks the pure rules what to record
+//! (`inbound::accept` for a callback, `handoff` for a notification), makes the store call and
+//! shapes the answer: both accept routes end in `record.rs`, the API's shapes of stored rows
+//! are in `views.rs`, and errors are mapped to HTTP in `error.rs`. Only the resend walk
+//! (`admin.rs`) makes more than one store call: it pages through its selection.
 
 pub mod admin;
 pub mod auth;
@@ -9,8 +12,10 @@ pub mod error;
 pub mod health;
 pub mod notifications;
 pub mod openapi;
+pub mod record;
 pub mod resend_count;
 pub mod server;
+pub mod views;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -4,7 +4,8 @@
 //! The idempotency key is `paymentId + status`, or the `Idempotency-Key` header (scoped to
 //! the payment). A repeat returns the stored answer byte for byte and creates nothing; the
 //! same key with another body is a 422. The payment status moves by compare-and-set in the
-//! same atomic step that records the notification.
+//! same atomic step that records the notification. What is recorded is decided by
+//! `handoff`; this checks the request and maps the outcome.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,25 +13,21 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::Response;
-use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value, json};
+use serde::Deserialize;
+use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
 use super::auth::{Role, require};
-use super::{raw_json, read_body};
+use super::read_body;
+use super::record::{Recorded, Route, answer, record};
 use crate::app::App;
-use crate::clock::format_iso;
-use crate::digest::short_hash;
 use crate::dispatch::ssrf::SsrfError;
+use crate::handoff::{self, Notification, NotificationAccepted};
 use crate::http::error::{ApiError, ErrorBody, ErrorCode};
-use crate::metrics as m;
-use crate::payment::{self, PaymentStatus};
-use crate::store::{
-    AcceptOutcome, AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage,
-    PaymentTransition,
-};
+use crate::payment::PaymentStatus;
+use crate::webhook::{ATTEMPT_HEADER, MESSAGE_ID_HEADER};
 
 pub const MAX_ID_LEN: usize = 256;
 pub const MAX_HEADERS: usize = 32;
@@ -41,8 +38,8 @@ pub const RESERVED_HEADERS: [&str; 7] = [
     "content-type",
     "transfer-encoding",
     "connection",
-    "x-callbackd-message-id",
-    "x-callbackd-attempt",
+    MESSAGE_ID_HEADER,
+    ATTEMPT_HEADER,
 ];
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -86,16 +83,6 @@ fn whole_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, 
         .ok_or_else(|| serde::de::Error::custom(format!("`{n}` is not a whole number of seconds")))
 }
 
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct NotificationAccepted {
-    pub notification_id: String,
-    pub payment_id: String,
-    pub status: String,
-    pub accepted_at: String,
-    pub deliver_until: String,
-}
-
 /// Hand off a payment notification.
 #[utoipa::path(
     post,
@@ -123,15 +110,10 @@ pub async fn hand_off(
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let result = accept(&app, &headers, body).await;
-    let outcome = m::notification_outcome(result.as_ref().map(|(_, r)| *r).map_err(ApiError::code));
-    metrics::counter!(m::NOTIFICATIONS, "outcome" => outcome).increment(1);
-    metrics::histogram!(m::ACCEPT_SECONDS, "route" => "notifications")
-        .record(started.elapsed().as_secs_f64());
-    let (response, replayed) = result?;
-    Ok(raw_json(StatusCode::ACCEPTED, response, replayed))
+    answer(Route::Notifications, started, result)
 }
 
-async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, bool), ApiError> {
+async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<Recorded, ApiError> {
     require(app, headers, Role::Connector)?;
     let bytes = read_body(app, body, headers).await?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
@@ -148,78 +130,26 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<(String, b
     })?;
     let to = validate(app, &req).await?;
     let idempotency_key = idempotency_key(headers)?;
-
+    let mut stored = req.headers.unwrap_or_default();
+    crate::trace::carry(headers, &mut stored);
+    let notification = Notification {
+        payment_id: req.payment_id,
+        to,
+        callback_url: req.callback_url,
+        payload: req.payload,
+        headers: stored,
+        window: req.max_age_secs.map(Duration::from_secs),
+        idempotency_key,
+        request: value,
+    };
+    let settings = handoff::Settings {
+        max_window: Duration::from_secs(app.config.dispatch.max_age_secs),
+        dedupe_ttl: Duration::from_secs(app.config.store.dedupe_ttl_secs),
+    };
     let now = app.clock.now_ms();
-    let ordering_key = payment::ordering_key(&req.payment_id);
-    let id = MessageId::generate(now, &ordering_key);
-    let window_secs = req.max_age_secs.unwrap_or(app.config.dispatch.max_age_secs);
-    let deadline = now.saturating_add(window_secs.saturating_mul(1000) as i64);
-    let response = serde_json::to_string(&NotificationAccepted {
-        notification_id: id.to_string(),
-        payment_id: req.payment_id.clone(),
-        status: to.to_string(),
-        accepted_at: format_iso(now),
-        deliver_until: format_iso(deadline),
-    })
-    .map_err(|e| ApiError::bad_request(ErrorCode::InvalidRequest, e.to_string()))?;
-    let key_tuple = match &idempotency_key {
-        Some(k) => json!(["notification-key", req.payment_id, k]),
-        None => json!(["notification", req.payment_id, req.status]),
-    };
-    let delivered_body = match &req.payload {
-        Some(p) => Value::Object(p.clone()),
-        None => json!({"paymentId": req.payment_id, "status": req.status}),
-    };
-    let message = NewMessage {
-        id,
-        kind: MessageKind::Notification,
-        source: None,
-        payment_id: Some(req.payment_id.clone()),
-        transaction_id: None,
-        ordering_key,
-        event: None,
-        target_url: Some(req.callback_url.clone()),
-        headers: {
-            let mut stored = req.headers.clone().unwrap_or_default();
-            crate::trace::carry(headers, &mut stored);
-            stored
-        },
-        body: delivered_body.to_string(),
-        created_at: now,
-        deadline,
-    };
-    let request = AcceptRequest {
-        dedupe: DedupeClaim {
-            key: short_hash(key_tuple.to_string().as_bytes()),
-            ttl_secs: app.config.store.dedupe_ttl_secs,
-            // serde_json's map is ordered, so equal JSON gives equal fingerprints whatever
-            // the key order or whitespace of the original bytes.
-            fingerprint: short_hash(value.to_string().as_bytes()),
-            response: response.clone(),
-        },
-        message,
-        seal: None,
-        payment: Some(PaymentTransition {
-            payment_id: req.payment_id.clone(),
-            to: to.to_string(),
-            allowed_from: payment::allowed_from(to)
-                .into_iter()
-                .map(|s| s.to_string())
-                .collect(),
-        }),
-    };
-    match app.store.accept(request, now).await? {
-        AcceptOutcome::Accepted => {
-            app.wake.notify_one();
-            Ok((response, false))
-        }
-        AcceptOutcome::Replayed { response } => Ok((response, true)),
-        AcceptOutcome::Conflict => Err(ApiError::IdempotencyMismatch),
-        AcceptOutcome::InvalidTransition { from } => Err(ApiError::InvalidTransition {
-            from,
-            to: to.to_string(),
-        }),
-    }
+    let request = handoff::accept_request(&settings, notification, now)
+        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidRequest, e.to_string()))?;
+    record(app, request, now).await
 }
 
 fn field_error(field: &str, message: impl std::fmt::Display) -> ApiError {

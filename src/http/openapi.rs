@@ -30,8 +30,8 @@ use crate::store::ids::PATTERN as MESSAGE_ID;
     components(schemas(
         crate::http::error::ErrorBody,
         crate::http::error::ErrorCode,
-        crate::store::Attempt,
-        crate::store::ReceiverAnswer,
+        super::views::AttemptView,
+        super::views::AnswerView,
         crate::store::MessageState,
         crate::store::MessageKind,
         crate::store::ResendEffect,

@@ -1,0 +1,223 @@
+//! The API's shapes of stored data. A stored row keeps its serde names for as long as data
+//! written by an old release must be read; what a client reads is built from it here, so
+//! either can change without the other. The JSON of each view is what the stored row's was
+//! when it was both (the console and the tests read it).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use serde_json::Value;
+use utoipa::ToSchema;
+
+use crate::clock::{Millis, format_iso};
+use crate::store::{Attempt, MessageKind, MessageRecord, MessageState, ReceiverAnswer};
+
+/// A message as operators see it. Header values are redacted: they carry gateway tokens.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MessageView {
+    pub id: String,
+    pub kind: MessageKind,
+    pub state: MessageState,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payment_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transaction_id: Option<String>,
+    pub ordering_key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_url: Option<String>,
+    pub headers: BTreeMap<String, String>,
+    pub created_at: String,
+    pub deadline: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<String>,
+    /// Delivery attempts made.
+    pub attempt_count: u32,
+    /// Delivery attempts and resend marks, oldest first (`at` in ms since the epoch): the
+    /// first row and the latest 100. Only on the detail view.
+    pub attempts: Vec<AttemptView>,
+    /// History rows ever recorded, including those no longer kept in `attempts`.
+    pub history_total: u64,
+    #[schema(value_type = Object)]
+    pub body: Value,
+}
+
+impl MessageView {
+    pub fn from_record(record: MessageRecord, with_attempts: bool) -> MessageView {
+        let m = record.message;
+        MessageView {
+            id: m.id.to_string(),
+            kind: m.kind,
+            state: record.state,
+            source: m.source,
+            payment_id: m.payment_id,
+            transaction_id: m.transaction_id,
+            ordering_key: m.ordering_key,
+            event: m.event,
+            target_url: m.target_url,
+            headers: m
+                .headers
+                .into_keys()
+                .map(|k| (k, "[redacted]".to_string()))
+                .collect(),
+            created_at: format_iso(m.created_at),
+            deadline: format_iso(record.deadline),
+            next_attempt_at: record.next_attempt_at.map(format_iso),
+            attempt_count: record.delivery_attempts,
+            history_total: record.history_total,
+            attempts: if with_attempts {
+                record.history.into_iter().map(AttemptView::from).collect()
+            } else {
+                Vec::new()
+            },
+            body: serde_json::from_str(&m.body).unwrap_or(Value::String(m.body)),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MessagePage {
+    pub messages: Vec<MessageView>,
+    /// Pass as `cursor` for the next page (the last id of this one); absent at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// One row of a message's history: a delivery attempt or an operator's resend.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[schema(as = Attempt)]
+pub struct AttemptView {
+    /// `delivery` or `resend`.
+    pub kind: String,
+    /// Attempt number for deliveries (1-based), 0 for resend marks.
+    pub attempt: u32,
+    pub at: Millis,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// Error class when no HTTP status came back: `timeout`, `connect`, `refused_address`...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency_ms: Option<u64>,
+    /// The resend request id, for resend marks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    /// What the receiver answered, for deliveries that got an HTTP status. Absent in rows
+    /// written before it was kept.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response: Option<AnswerView>,
+}
+
+impl From<Attempt> for AttemptView {
+    fn from(row: Attempt) -> AttemptView {
+        let Attempt {
+            kind,
+            attempt,
+            at,
+            status,
+            error,
+            latency_ms,
+            request_id,
+            response,
+        } = row;
+        AttemptView {
+            kind,
+            attempt,
+            at,
+            status,
+            error,
+            latency_ms,
+            request_id,
+            response: response.map(AnswerView::from),
+        }
+    }
+}
+
+/// The receiver's answer to one attempt, bounded.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[schema(as = ReceiverAnswer)]
+pub struct AnswerView {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content_type: Option<String>,
+    /// `Retry-After` as sent (seconds or an HTTP date).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<String>,
+    /// The first [`KEPT_BODY_BYTES`] bytes of the body as text (invalid UTF-8 replaced).
+    #[schema(required = false)]
+    pub body: String,
+    /// True when the body was longer than what is kept.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub body_truncated: bool,
+}
+
+impl From<ReceiverAnswer> for AnswerView {
+    fn from(answer: ReceiverAnswer) -> AnswerView {
+        let ReceiverAnswer {
+            content_type,
+            retry_after,
+            body,
+            body_truncated,
+        } = answer;
+        AnswerView {
+            content_type,
+            retry_after,
+            body,
+            body_truncated,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The view is the API's promise and the row is the store's: today they write the same
+    /// JSON, so a client sees no change from the split.
+    #[test]
+    fn a_history_row_and_its_view_write_the_same_json() {
+        let delivery = Attempt {
+            kind: "delivery".into(),
+            attempt: 2,
+            at: 1_764_460_800_000,
+            status: Some(503),
+            error: None,
+            latency_ms: Some(12),
+            request_id: None,
+            response: Some(ReceiverAnswer::new(
+                Some("text/plain"),
+                Some("30"),
+                b"busy",
+                true,
+            )),
+        };
+        let resend = Attempt {
+            kind: "resend".into(),
+            attempt: 0,
+            at: 1_764_460_900_000,
+            status: None,
+            error: None,
+            latency_ms: None,
+            request_id: Some("r-1".into()),
+            response: None,
+        };
+        let failed = Attempt {
+            kind: "delivery".into(),
+            error: Some("timeout".into()),
+            response: Some(ReceiverAnswer::default()),
+            ..resend.clone()
+        };
+        for row in [delivery, resend, failed] {
+            assert_eq!(
+                serde_json::to_string(&AttemptView::from(row.clone())).unwrap(),
+                serde_json::to_string(&row).unwrap()
+            );
+        }
+    }
+}
