@@ -58,6 +58,7 @@ pub async fn receive(
     let started = Instant::now();
     let source_name = path_segment(path)?;
     let result = accept(&app, &source_name, &headers, body).await;
+    // Unknown names are not labels: a scanner must not be able to grow the metric set.
     let source = if app.sources.contains_key(&source_name) {
         source_name
     } else {

@@ -55,8 +55,7 @@ pub async fn record(app: &App, request: AcceptRequest, now: Millis) -> Result<Re
 
 /// The accept route a request came in by, with what its metrics are labelled with.
 pub enum Route {
-    /// `source` is the configured source, or `unknown`: a name no source has is not a label,
-    /// so a scanner cannot grow the metric set.
+    /// `source` is the configured source, or `unknown`.
     Callbacks {
         source: String,
     },

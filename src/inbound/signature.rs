@@ -4,7 +4,7 @@
 use crate::config::{SignatureScheme, SourceConfig};
 use crate::webhook::decode_whsec;
 
-pub use crate::webhook::{SignatureError, Verified, Verifier};
+pub use crate::webhook::Verifier;
 // Moved to `webhook`; still imported from here by cli.rs, benches/load.rs and tests/support
 // until they switch.
 pub use crate::webhook::{
