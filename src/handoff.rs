@@ -16,14 +16,14 @@ use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
 use crate::clock::{Millis, format_iso};
+use crate::config::deadline;
 use crate::digest::short_hash;
-use crate::dispatch::schedule;
 use crate::payment::{self, PaymentStatus};
 use crate::store::{
     AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, PaymentTransition,
 };
 
-/// What accepting a hand-off takes from the config.
+/// What accepting a hand-off takes from the settings.
 #[derive(Debug, Clone, Copy)]
 pub struct Settings {
     /// How long a notification is delivered for unless it asks for less
@@ -84,13 +84,13 @@ pub fn accept_request(
     } = notification;
     let ordering_key = payment::ordering_key(&payment_id);
     let id = MessageId::generate(now, &ordering_key);
-    let deadline = schedule::deadline(now, window.unwrap_or(settings.max_window));
+    let deliver_until = deadline(now, window.unwrap_or(settings.max_window));
     let response = serde_json::to_string(&NotificationAccepted {
         notification_id: id.to_string(),
         payment_id: payment_id.clone(),
         status: to.to_string(),
         accepted_at: format_iso(now),
-        deliver_until: format_iso(deadline),
+        deliver_until: format_iso(deliver_until),
     })?;
     let key_tuple = match &idempotency_key {
         Some(k) => json!(["notification-key", payment_id, k]),
@@ -112,7 +112,7 @@ pub fn accept_request(
         headers,
         body: body.to_string(),
         created_at: now,
-        deadline,
+        deadline: deliver_until,
     };
     Ok(AcceptRequest {
         dedupe: DedupeClaim {

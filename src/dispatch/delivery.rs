@@ -264,7 +264,6 @@ fn error_class(e: &reqwest::Error) -> &'static str {
 mod tests {
     use super::*;
     use crate::store::{MessageId, MessageKind, NewMessage};
-    use crate::webhook::{WEBHOOK_ID, WEBHOOK_SIGNATURE};
 
     fn claimed(backoff_step: u32, deadline: Millis) -> Lease {
         Lease {
@@ -419,7 +418,7 @@ mod tests {
         assert_eq!(h[ATTEMPT_HEADER], "3");
         assert_eq!(h[EVENT_HEADER], "PIX_RECEIVED");
         assert_eq!(h["x-vtex-api-appkey"], "key");
-        assert_eq!(h[WEBHOOK_ID], c.message.id.as_str());
-        assert!(h[WEBHOOK_SIGNATURE].to_str().unwrap().starts_with("v1,"));
+        assert_eq!(h["webhook-id"], c.message.id.as_str());
+        assert!(h["webhook-signature"].to_str().unwrap().starts_with("v1,"));
     }
 }

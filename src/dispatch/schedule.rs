@@ -10,8 +10,6 @@
 //! attempt lands exactly at the deadline; after an attempt at or past the deadline, the
 //! message is dead.
 
-use std::time::Duration;
-
 use crate::clock::Millis;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,12 +27,6 @@ pub const MAX_RETRY_AFTER_MS: u64 = 24 * 3_600_000;
 pub enum Next {
     RetryAt(Millis),
     GiveUp,
-}
-
-/// The end of the delivery window of a message accepted (or resent) at `now`: no attempt is
-/// made after it (§1.4).
-pub fn deadline(now: Millis, window: Duration) -> Millis {
-    now.saturating_add(i64::try_from(window.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// Base delay before retry number `step + 1` (step = failures so far, minus one).
@@ -94,13 +86,6 @@ mod tests {
             step += 1;
         }
         times
-    }
-
-    #[test]
-    fn the_deadline_is_the_window_after_now_and_never_overflows() {
-        assert_eq!(deadline(1_000, Duration::from_secs(604_800)), 1_000 + WEEK);
-        assert_eq!(deadline(1_000, Duration::from_millis(1)), 1_001);
-        assert_eq!(deadline(1_000, Duration::MAX), Millis::MAX);
     }
 
     #[test]

@@ -20,7 +20,6 @@ use super::{path_segment, raw_json, read_body};
 use crate::app::App;
 use crate::clock::{RFC3339_FORMS, parse_rfc3339};
 use crate::digest::short_hash;
-use crate::dispatch::schedule;
 use crate::http::error::{ApiError, ErrorBody, ErrorCode};
 use crate::inbound;
 use crate::metrics as m;
@@ -560,8 +559,7 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
         request_id: request_id.map(str::to_string),
         response: None,
     };
-    let fresh_deadline =
-        schedule::deadline(now, Duration::from_secs(app.config.dispatch.max_age_secs));
+    let fresh_deadline = app.settings.dispatch.deadline(now);
     let effect = app.store.resend(id, mark, fresh_deadline, now).await?;
     metrics::counter!(m::RESENDS, "effect" => m::resend_effect(effect)).increment(1);
     Ok(effect != ResendEffect::Skipped)

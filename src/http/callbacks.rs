@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
@@ -17,7 +17,8 @@ use super::record::{Recorded, Route, answer, record};
 use super::{path_segment, read_body};
 use crate::app::App;
 use crate::http::error::{ApiError, ErrorBody, ErrorCode};
-use crate::inbound::accept::{Callback, CallbackAccepted, SourceSettings, accept_request};
+use crate::inbound;
+use crate::inbound::accept::{Callback, CallbackAccepted, accept_request};
 use crate::webhook::EVENT_HEADER;
 
 /// Longest accepted `X-Callback-Event`: event names are short constants.
@@ -97,12 +98,12 @@ async fn accept(
         verified,
         headers: carried,
     };
-    let settings = SourceSettings {
+    let settings = inbound::accept::Settings {
         name: &source.name,
         dedupe_fields: &source.dedupe_fields,
         forward_url: source.forward_url.as_deref(),
-        window: Duration::from_secs(app.config.dispatch.max_age_secs),
-        dedupe_ttl: Duration::from_secs(app.config.store.dedupe_ttl_secs),
+        window: app.settings.dispatch.max_age,
+        dedupe_ttl: app.settings.store.dedupe_ttl,
     };
     let now = app.clock.now_ms();
     let request = accept_request(&settings, callback, now)

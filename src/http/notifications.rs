@@ -143,8 +143,8 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<Recorded, 
         request: value,
     };
     let settings = handoff::Settings {
-        max_window: Duration::from_secs(app.config.dispatch.max_age_secs),
-        dedupe_ttl: Duration::from_secs(app.config.store.dedupe_ttl_secs),
+        max_window: app.settings.dispatch.max_age,
+        dedupe_ttl: app.settings.store.dedupe_ttl,
     };
     let now = app.clock.now_ms();
     let request = handoff::accept_request(&settings, notification, now)

@@ -11,14 +11,14 @@ use utoipa::ToSchema;
 
 use super::dedupe::{self, KeyError};
 use crate::clock::Millis;
+use crate::config::deadline;
 use crate::digest::short_hash;
-use crate::dispatch::schedule;
 use crate::store::{AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, SignatureSeal};
 use crate::webhook::Verified;
 
-/// What accepting one source's callbacks takes from the config.
+/// What accepting one source's callbacks takes from the settings.
 #[derive(Debug, Clone, Copy)]
-pub struct SourceSettings<'a> {
+pub struct Settings<'a> {
     pub name: &'a str,
     /// JSON pointers of the dedupe key (the source's `dedupe_fields`, §1.1).
     pub dedupe_fields: &'a [String],
@@ -68,7 +68,7 @@ pub fn ordering_key(source: &str, transaction_id: &str) -> String {
 
 /// The accept request of `callback`, accepted from `source` at `now`.
 pub fn accept_request(
-    source: &SourceSettings,
+    source: &Settings,
     callback: Callback,
     now: Millis,
 ) -> Result<AcceptRequest, CallbackError> {
@@ -96,7 +96,7 @@ pub fn accept_request(
         // Valid JSON is valid UTF-8, so nothing is replaced.
         body: String::from_utf8_lossy(callback.body).into_owned(),
         created_at: now,
-        deadline: schedule::deadline(now, source.window),
+        deadline: deadline(now, source.window),
     };
     Ok(AcceptRequest {
         dedupe: DedupeClaim {
@@ -141,8 +141,8 @@ mod tests {
         DEFAULT_FIELDS.iter().map(|f| f.to_string()).collect()
     }
 
-    fn settings(fields: &[String]) -> SourceSettings<'_> {
-        SourceSettings {
+    fn settings(fields: &[String]) -> Settings<'_> {
+        Settings {
             name: "payzu",
             dedupe_fields: fields,
             forward_url: Some("https://merchant.example/cb"),
@@ -260,7 +260,7 @@ mod tests {
         let body = br#"{"id": "tx1", "status": "COMPLETED"}"#;
         let json: Value = serde_json::from_slice(body).unwrap();
         let fields = fields();
-        let source = SourceSettings {
+        let source = Settings {
             forward_url: None,
             ..settings(&fields)
         };
