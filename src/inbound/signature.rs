@@ -5,8 +5,8 @@ use crate::config::{SignatureScheme, SourceConfig};
 use crate::webhook::decode_whsec;
 
 pub use crate::webhook::Verifier;
-// Moved to `webhook`; still imported from here by cli.rs, benches/load.rs and tests/support
-// until they switch.
+// Moved to `webhook`; still imported from here by cli.rs and benches/load/client.rs until
+// they switch.
 pub use crate::webhook::{
     PAYZU_HEADER, WEBHOOK_ID, WEBHOOK_SIGNATURE, WEBHOOK_TIMESTAMP, sign_payzu,
     sign_standard_webhook,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use callbackd::app::App;
 use callbackd::clock::{Clock, ManualClock, SystemClock};
 use callbackd::config::Config;
-use callbackd::inbound::signature::sign_payzu;
+use callbackd::webhook::sign_payzu;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
