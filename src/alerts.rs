@@ -19,7 +19,7 @@ use crate::clock::{Millis, format_iso};
 use crate::config::{ConfigError, decode_whsec};
 use crate::digest::short_hash;
 use crate::store::{
-    AcceptRequest, Attempt, DedupeClaim, Lease, MessageId, MessageKind, NewMessage,
+    AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
 };
 use crate::trace::{TRACEPARENT, TRACESTATE};
 
@@ -149,7 +149,7 @@ impl Alerts {
     pub fn dead_letter(
         &self,
         claimed: &Lease,
-        attempt: &Attempt,
+        attempt: &DeliveryAttempt,
         reason: DeathReason,
         now: Millis,
     ) -> Option<AcceptRequest> {

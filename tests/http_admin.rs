@@ -442,7 +442,8 @@ async fn marks_of(store: &dyn callbackd::store::Store, id: &str, request_id: &st
     record
         .history
         .iter()
-        .filter(|a| a.kind == "resend" && a.request_id.as_deref() == Some(request_id))
+        .filter_map(|row| row.resend())
+        .filter(|mark| mark.request_id.as_deref() == Some(request_id))
         .count()
 }
 

@@ -310,7 +310,11 @@ async fn ssrf_targets_are_refused_at_handoff() {
 async fn attempts_recorded(server: &TestServer, id: &str, n: usize) -> MessageRecord {
     eventually(20, &format!("{n} attempt(s) of {id} recorded"), || async {
         let rec = record(server, id).await;
-        let deliveries = rec.history.iter().filter(|a| a.kind == "delivery").count();
+        let deliveries = rec
+            .history
+            .iter()
+            .filter(|a| a.delivery().is_some())
+            .count();
         (deliveries == n && rec.state != MessageState::InFlight).then_some(rec)
     })
     .await
@@ -361,12 +365,12 @@ async fn private_forward_urls_are_refused_at_delivery() {
             .to_string();
         let rec = attempts_recorded(&server, &id, 1).await;
         assert_eq!(
-            rec.history[0].error.as_deref(),
+            rec.history[0].delivery().and_then(|d| d.error.as_deref()),
             Some("refused_address"),
             "{:?}",
             rec.message.target_url
         );
-        assert_eq!(rec.history[0].status, None);
+        assert_eq!(rec.history[0].delivery().and_then(|d| d.status), None);
     }
     assert_eq!(sink.count(), 0, "nothing reached the internal address");
 }
@@ -389,7 +393,10 @@ async fn a_name_that_passed_at_handoff_is_refused_at_delivery() {
         .hand_off_id(&handoff("p-rebind", "approved", &url))
         .await;
     let rec = attempts_recorded(&worker, &id, 1).await;
-    assert_eq!(rec.history[0].error.as_deref(), Some("refused_address"));
+    assert_eq!(
+        rec.history[0].delivery().and_then(|d| d.error.as_deref()),
+        Some("refused_address")
+    );
     assert_eq!(rec.state, MessageState::Pending, "retried, never delivered");
     assert_eq!(sink.count(), 0);
 }
@@ -425,7 +432,10 @@ async fn callback_urls_and_forward_urls_have_separate_switches() {
         MessageState::Delivered
     );
     let rec = attempts_recorded(&server, forwarded, 1).await;
-    assert_eq!(rec.history[0].error.as_deref(), Some("refused_address"));
+    assert_eq!(
+        rec.history[0].delivery().and_then(|d| d.error.as_deref()),
+        Some("refused_address")
+    );
     server.stop().await;
 
     // Private forwards allowed, private callbackUrls not (a store of its own, so this
@@ -503,7 +513,7 @@ async fn approved_retried_three_times_still_arrives_before_settled() {
     // Each retry happens when the clock reaches its scheduled time, within the jittered
     // backoff (1 s, 2 s, 4 s, each shortened by at most half).
     for n in 1..=3 {
-        let previous = rec.history.last().unwrap().at;
+        let previous = rec.history.last().unwrap().at();
         let next = rec
             .next_attempt_at
             .expect("a failed head has a next attempt");
@@ -515,7 +525,7 @@ async fn approved_retried_three_times_still_arrives_before_settled() {
         );
         clock.set(next);
         rec = attempts_recorded(&server, &approved, n + 1).await;
-        assert_eq!(rec.history.last().unwrap().at, next, "attempted when due");
+        assert_eq!(rec.history.last().unwrap().at(), next, "attempted when due");
     }
     assert_eq!(rec.state, MessageState::Delivered);
     let settled = attempts_recorded(&server, &settled, 1).await;
@@ -565,7 +575,7 @@ async fn the_real_loop_on_a_virtual_clock_gone_retry_after_and_resend() {
     let rec = attempts_recorded(&server, &gone, 1).await;
     assert_eq!(rec.state, MessageState::Dead, "410 stops at once");
     let rec = attempts_recorded(&server, &later, 1).await;
-    let first = rec.history[0].at;
+    let first = rec.history[0].at();
     assert_eq!(
         rec.next_attempt_at,
         Some(first + 120_000),
@@ -634,7 +644,11 @@ async fn seven_days_on_a_virtual_clock() {
         .await;
     let rec = run_to_completion(&server, &clock, &d, &id).await;
     assert_eq!(rec.state, MessageState::Delivered);
-    let successes = rec.history.iter().filter(|a| a.status == Some(204)).count();
+    let successes = rec
+        .history
+        .iter()
+        .filter(|a| a.delivery().and_then(|d| d.status) == Some(204))
+        .count();
     assert_eq!(successes, 1);
     let attempts = rec.delivery_attempts as usize;
     println!("down 6 days then up: delivered at attempt {attempts}");
@@ -662,7 +676,8 @@ async fn seven_days_on_a_virtual_clock() {
     assert_eq!(rec.state, MessageState::Dead);
     let last = rec.history.last().unwrap();
     assert_eq!(
-        last.at, rec.message.deadline,
+        last.at(),
+        rec.message.deadline,
         "the last attempt lands at the deadline"
     );
     assert_eq!(
@@ -696,7 +711,7 @@ async fn seven_days_on_a_virtual_clock() {
     let rec = run_to_completion(&server, &clock, &d, &id).await;
     assert_eq!(rec.state, MessageState::Dead);
     assert_eq!(
-        rec.history.last().unwrap().at - rec.message.created_at,
+        rec.history.last().unwrap().at() - rec.message.created_at,
         900_000
     );
     assert!(rec.history.len() < 15);
@@ -770,9 +785,22 @@ async fn retry_after_gone_and_failures() {
     );
     assert_eq!(recs[2].state, MessageState::Dead, "410 stops at once");
     assert_eq!(recs[2].history.len(), 1);
-    assert_eq!(recs[3].history[0].error.as_deref(), Some("timeout"));
-    assert_eq!(recs[4].history[0].status, Some(500));
-    assert_eq!(recs[5].history[0].error.as_deref(), Some("connect"));
+    assert_eq!(
+        recs[3].history[0]
+            .delivery()
+            .and_then(|d| d.error.as_deref()),
+        Some("timeout")
+    );
+    assert_eq!(
+        recs[4].history[0].delivery().and_then(|d| d.status),
+        Some(500)
+    );
+    assert_eq!(
+        recs[5].history[0]
+            .delivery()
+            .and_then(|d| d.error.as_deref()),
+        Some("connect")
+    );
     for r in [&recs[3], &recs[4], &recs[5]] {
         assert_eq!(r.state, MessageState::Pending, "retried");
         let delay = r.next_attempt_at.unwrap() - now;
@@ -873,7 +901,7 @@ async fn retry_after_zero_or_past_is_not_a_hot_loop() {
             "Retry-After {path}: still retrying"
         );
         for (step, pair) in rec.history.windows(2).enumerate() {
-            let gap = (pair[1].at - pair[0].at) as u64;
+            let gap = (pair[1].at() - pair[0].at()) as u64;
             let base = base_delay_ms(backoff, step as u32);
             assert!(
                 gap >= base - base / 2,

@@ -23,8 +23,8 @@ use callbackd::store::lifecycle::{self, Lifetimes, Model};
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::SqliteStore;
 use callbackd::store::{
-    AcceptRequest, Attempt, Completion, DedupeClaim, Lease, MessageId, MessageKind, MessageState,
-    NewMessage, PaymentTransition, SignatureSeal, Store,
+    AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind,
+    MessageState, NewMessage, PaymentTransition, ResendMark, SignatureSeal, Store,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -209,29 +209,21 @@ fn payment_ids(spread: bool) -> Vec<String> {
     unreachable!("the search above only ends by returning")
 }
 
-fn delivery(attempt: u32, at: Millis, status: u16) -> Attempt {
-    Attempt {
-        kind: "delivery".into(),
+fn delivery(attempt: u32, at: Millis, status: u16) -> DeliveryAttempt {
+    DeliveryAttempt {
         attempt,
         at,
         status: Some(status),
         error: None,
         latency_ms: Some(7),
-        request_id: None,
         response: None,
     }
 }
 
-fn resend_mark(at: Millis) -> Attempt {
-    Attempt {
-        kind: "resend".into(),
-        attempt: 0,
+fn resend_mark(at: Millis) -> ResendMark {
+    ResendMark {
         at,
-        status: None,
-        error: None,
-        latency_ms: None,
         request_id: Some(format!("op-{at}")),
-        response: None,
     }
 }
 

@@ -18,9 +18,10 @@ use callbackd::store::ids::partition_of;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
-    AcceptOutcome, AcceptRequest, Attempt, Completion, DedupeClaim, Lease, ListFilter, MessageId,
-    MessageKind, MessageRecord, MessageState, NewMessage, OperationReservation, PaymentTransition,
-    QueueDepth, ReceiverAnswer, ResendEffect, SignatureSeal, Store, StoreError,
+    AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry, Lease,
+    ListFilter, MessageId, MessageKind, MessageRecord, MessageState, NewMessage,
+    OperationReservation, PaymentTransition, QueueDepth, ReceiverAnswer, ResendEffect, ResendMark,
+    SignatureSeal, Store, StoreError,
 };
 use redis_support::RedisServer;
 
@@ -248,15 +249,13 @@ async fn accept_new(s: &dyn Store, ordering_key: &str, now: Millis) -> MessageId
     accept(s, new_message(ordering_key, now), now).await
 }
 
-fn delivery(attempt: u32, at: Millis, status: u16) -> Attempt {
-    Attempt {
-        kind: "delivery".into(),
+fn delivery(attempt: u32, at: Millis, status: u16) -> DeliveryAttempt {
+    DeliveryAttempt {
         attempt,
         at,
         status: Some(status),
         error: None,
         latency_ms: Some(12),
-        request_id: None,
         // Every store keeps the receiver's answer with the row, unchanged.
         response: Some(ReceiverAnswer {
             content_type: Some("application/json".into()),
@@ -267,17 +266,16 @@ fn delivery(attempt: u32, at: Millis, status: u16) -> Attempt {
     }
 }
 
-fn resend_mark(at: Millis) -> Attempt {
-    Attempt {
-        kind: "resend".into(),
-        attempt: 0,
+fn resend_mark(at: Millis) -> ResendMark {
+    ResendMark {
         at,
-        status: None,
-        error: None,
-        latency_ms: None,
         request_id: Some("op-1".into()),
-        response: None,
     }
+}
+
+/// The attempt number of a history row, 0 for a resend mark (as the API shows it).
+fn attempt_no(row: &HistoryEntry) -> u32 {
+    row.delivery().map_or(0, |d| d.attempt)
 }
 
 async fn claim(s: &dyn Store, now: Millis, limit: usize) -> Vec<Lease> {
@@ -552,7 +550,7 @@ async fn claim_due_leases_only_due_messages(h: &Harness) {
     let record = get(s, &id).await;
     assert_eq!(record.state, MessageState::Delivered);
     assert_eq!(record.next_attempt_at, None);
-    assert_eq!(record.history, vec![delivery(1, T0 + 2_000, 500)]);
+    assert_eq!(record.history, vec![delivery(1, T0 + 2_000, 500).into()]);
     assert!(
         claim(s, T0 + 10 * DAY_MS, 10).await.is_empty(),
         "finished for good"
@@ -771,7 +769,7 @@ async fn resend_requeues_dead_and_delivered_messages(h: &Harness) {
     assert_eq!(record.state, MessageState::Pending);
     assert_eq!(record.deadline, fresh);
     assert_eq!(record.next_attempt_at, Some(now));
-    assert_eq!(record.history.last(), Some(&resend_mark(now)));
+    assert_eq!(record.history.last(), Some(&resend_mark(now).into()));
 
     // The backoff starts over, the attempt count goes on, the window is the fresh one.
     let c = claim_one(s, now, &id).await;
@@ -893,7 +891,7 @@ async fn resend_of_a_message_behind_another_is_queued(h: &Harness) {
     );
     let record = get(s, &second).await;
     assert_eq!(record.next_attempt_at, None);
-    assert_eq!(record.history, vec![resend_mark(T0 + 2)]);
+    assert_eq!(record.history, vec![resend_mark(T0 + 2).into()]);
     claim_exactly(s, T0 + 3, &[&first]).await;
 }
 
@@ -1189,7 +1187,7 @@ async fn history_rows_are_kept_in_order(h: &Harness) {
     let s = h.s();
     let id = accept_new(s, "pay/1", T0).await;
     let c = claim_one(s, T0, &id).await;
-    let first = Attempt {
+    let first = DeliveryAttempt {
         error: Some("timeout".into()),
         status: None,
         latency_ms: Some(10_000),
@@ -1225,7 +1223,10 @@ async fn history_rows_are_kept_in_order(h: &Harness) {
             .await
             .unwrap()
     );
-    assert_eq!(get(s, &id).await.history, vec![first, second, mark, third]);
+    assert_eq!(
+        get(s, &id).await.history,
+        vec![first.into(), second.into(), mark.into(), third.into()]
+    );
 }
 
 async fn depth_counts_pending_in_flight_and_dead(h: &Harness) {
@@ -1508,8 +1509,12 @@ async fn history_keeps_the_first_and_the_latest_rows_and_counts_every_row(h: &Ha
     assert_eq!(record.history_total, 151);
     assert_eq!(record.delivery_attempts, 150);
     assert_eq!(record.history.len(), 1 + callbackd::store::HISTORY_TAIL);
-    assert_eq!(record.history[0].attempt, 1, "the first attempt is kept");
-    let tail: Vec<u32> = record.history[1..].iter().map(|a| a.attempt).collect();
+    assert_eq!(
+        attempt_no(&record.history[0]),
+        1,
+        "the first attempt is kept"
+    );
+    let tail: Vec<u32> = record.history[1..].iter().map(attempt_no).collect();
     let want: Vec<u32> = (52..=150).chain([0]).collect();
     assert_eq!(tail, want, "then the latest 100 rows, in order");
 }
@@ -1643,7 +1648,7 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
     };
     let dead = get(s, dead).await;
     assert_eq!((dead.history.len(), dead.history_total), (1, 1));
-    assert_eq!(dead.history[0].status, Some(410));
+    assert_eq!(dead.history[0].delivery().and_then(|d| d.status), Some(410));
     assert_eq!(state_of("pay-ok").len(), 2);
     assert!(
         state_of("pay-ok")
@@ -1804,7 +1809,8 @@ mod redis_only {
             .expect("the pending message's history")
             .to_string();
         for n in 2..=150 {
-            let row = serde_json::to_string(&delivery(n, dumped_at, 503)).unwrap();
+            let row =
+                serde_json::to_string(&HistoryEntry::from(delivery(n, dumped_at, 503))).unwrap();
             server.cli(&["RPUSH", &pending_history, &row]);
         }
         let id = MessageId::parse(pending_history.rsplit(':').next().unwrap()).unwrap();
@@ -1820,9 +1826,9 @@ mod redis_only {
         let record = a.get(&id).await.unwrap().unwrap();
         assert_eq!(record.history_total, 150);
         assert_eq!(record.history.len(), 1 + callbackd::store::HISTORY_TAIL);
-        assert_eq!(record.history[0].attempt, 1, "the first row is kept");
-        assert_eq!(record.history[1].attempt, 51);
-        assert_eq!(record.history[100].attempt, 150);
+        assert_eq!(attempt_no(&record.history[0]), 1, "the first row is kept");
+        assert_eq!(attempt_no(&record.history[1]), 51);
+        assert_eq!(attempt_no(&record.history[100]), 150);
     }
 
     #[tokio::test]
@@ -1944,7 +1950,7 @@ mod sqlite_only {
                 })
                 .unwrap();
             for n in 2..=150 {
-                let row = serde_json::to_string(&delivery(n, T0, 503)).unwrap();
+                let row = serde_json::to_string(&HistoryEntry::from(delivery(n, T0, 503))).unwrap();
                 conn.execute(
                     "INSERT INTO attempts (message_id, row) VALUES (?1, ?2)",
                     rusqlite::params![id, row],
@@ -1957,9 +1963,9 @@ mod sqlite_only {
         let record = store.get(&id).await.unwrap().unwrap();
         assert_eq!(record.history_total, 150);
         assert_eq!(record.history.len(), 1 + callbackd::store::HISTORY_TAIL);
-        assert_eq!(record.history[0].attempt, 1, "the first row is kept");
-        assert_eq!(record.history[1].attempt, 51);
-        assert_eq!(record.history[100].attempt, 150);
+        assert_eq!(attempt_no(&record.history[0]), 1, "the first row is kept");
+        assert_eq!(attempt_no(&record.history[1]), 51);
+        assert_eq!(attempt_no(&record.history[100]), 150);
     }
 
     #[tokio::test]
@@ -2025,11 +2031,16 @@ mod sqlite_only {
             };
             record.clone()
         };
-        let statuses = |r: &MessageRecord| r.history.iter().map(|a| a.status).collect::<Vec<_>>();
+        let statuses = |r: &MessageRecord| {
+            r.history
+                .iter()
+                .map(|a| a.delivery().and_then(|d| d.status))
+                .collect::<Vec<_>>()
+        };
         let kinds = |r: &MessageRecord| {
             r.history
                 .iter()
-                .map(|a| a.kind.as_str())
+                .map(HistoryEntry::kind)
                 .collect::<Vec<_>>()
                 .join(",")
         };

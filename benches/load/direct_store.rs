@@ -10,7 +10,7 @@ use callbackd::clock::{Clock, SystemClock};
 use callbackd::inbound::dedupe::{self, DEFAULT_FIELDS};
 use callbackd::store::redis::RedisStore;
 use callbackd::store::{
-    AcceptOutcome, AcceptRequest, Attempt, Completion, DedupeClaim, MessageId, MessageKind,
+    AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, MessageId, MessageKind,
     NewMessage, Store,
 };
 use futures::stream::{self, StreamExt};
@@ -146,14 +146,12 @@ pub async fn store_cycle_at(
             continue;
         }
         let completions = batch.iter().map(|c| {
-            let attempt = Attempt {
-                kind: "delivery".into(),
+            let attempt = DeliveryAttempt {
                 attempt: c.attempts + 1,
                 at: now,
                 status: Some(204),
                 error: None,
                 latency_ms: Some(1),
-                request_id: None,
                 response: None,
             };
             store.complete(

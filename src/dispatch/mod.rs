@@ -26,7 +26,7 @@ use crate::clock::{Clock, format_delay, format_iso};
 use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources, millis};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
-use crate::store::{Attempt, Lease, MessageKind, Store};
+use crate::store::{DeliveryAttempt, Lease, MessageKind, Store};
 use delivery::{AttemptResult, Verdict};
 
 /// How long an idle worker waits before polling the store again. Work accepted by this
@@ -315,14 +315,12 @@ impl Dispatcher {
         if let Some(stats) = &self.stats {
             stats.record(now, verdict == Verdict::Delivered);
         }
-        let attempt = Attempt {
-            kind: "delivery".into(),
+        let attempt = DeliveryAttempt {
             attempt: c.attempts + 1,
             at,
             status: result.status,
             error: result.error.clone(),
             latency_ms: Some(latency.as_millis() as u64),
-            request_id: None,
             response: result.response.clone(),
         };
         if !self.announce_death(&c, &attempt, verdict, now).await {
@@ -340,7 +338,7 @@ impl Dispatcher {
     async fn announce_death(
         &self,
         c: &Lease,
-        attempt: &Attempt,
+        attempt: &DeliveryAttempt,
         verdict: Verdict,
         now: i64,
     ) -> bool {
@@ -372,7 +370,7 @@ impl Dispatcher {
 
     /// Records the outcome. A store error is retried briefly; if it persists, the lease
     /// expires and the message is delivered again (at-least-once), never lost.
-    async fn settle(&self, c: &Lease, attempt: Attempt, verdict: Verdict, now: i64) {
+    async fn settle(&self, c: &Lease, attempt: DeliveryAttempt, verdict: Verdict, now: i64) {
         for backoff_ms in [0, 100, 500, 2_000] {
             tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
             match self

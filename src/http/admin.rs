@@ -25,8 +25,8 @@ use crate::inbound;
 use crate::metrics as m;
 use crate::payment;
 use crate::store::{
-    Attempt, ListFilter, MessageId, MessageState, OperationReservation, ResendEffect, StoreError,
-    matches_filter,
+    HistoryEntry, ListFilter, MessageId, MessageState, OperationReservation, ResendEffect,
+    ResendMark, StoreError, matches_filter,
 };
 
 const DEFAULT_LIMIT: usize = 100;
@@ -542,22 +542,16 @@ async fn resend_one(app: &App, id: &MessageId, request_id: Option<&str>) -> Resu
             record
                 .history
                 .iter()
-                .any(|a| a.kind == "resend" && a.request_id.as_deref() == Some(request_id))
+                .any(|row| matches!(row, HistoryEntry::Resend(mark) if mark.request_id.as_deref() == Some(request_id)))
         });
         if already {
             return Ok(true);
         }
     }
     let now = app.clock.now_ms();
-    let mark = Attempt {
-        kind: "resend".into(),
-        attempt: 0,
+    let mark = ResendMark {
         at: now,
-        status: None,
-        error: None,
-        latency_ms: None,
         request_id: request_id.map(str::to_string),
-        response: None,
     };
     let fresh_deadline = app.settings.dispatch.deadline(now);
     let effect = app.store.resend(id, mark, fresh_deadline, now).await?;

@@ -23,8 +23,8 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::{
-    AcceptOutcome, AcceptRequest, Attempt, Completion, HISTORY_TAIL, Lease, MessageId,
-    MessageRecord, MessageState, NewMessage, QueueDepth, ResendEffect,
+    AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL, HistoryEntry, Lease,
+    MessageId, MessageRecord, MessageState, NewMessage, QueueDepth, ResendEffect, ResendMark,
 };
 use crate::clock::Millis;
 
@@ -62,7 +62,7 @@ pub struct Message {
     /// When a finished or recorded message ends; `None` while there is work left.
     pub ends_at: Option<Millis>,
     /// The first row and the latest [`HISTORY_TAIL`].
-    pub history: Vec<Attempt>,
+    pub history: Vec<HistoryEntry>,
     /// Rows ever recorded, kept or dropped.
     pub history_total: u64,
 }
@@ -111,7 +111,7 @@ impl Message {
     }
 
     /// Appends a history row, keeping the first and the latest [`HISTORY_TAIL`].
-    fn append_history(&mut self, row: Attempt) {
+    fn append_history(&mut self, row: HistoryEntry) {
         self.history.push(row);
         self.history_total += 1;
         if self.history.len() > HISTORY_TAIL + 1 {
@@ -421,7 +421,7 @@ pub fn after_attempt(
 pub fn complete(
     model: &mut Model,
     lease: &Lease,
-    attempt: Attempt,
+    attempt: DeliveryAttempt,
     completion: Completion,
     now: Millis,
 ) -> bool {
@@ -430,7 +430,7 @@ pub fn complete(
         return false;
     };
     m.lease_until = None;
-    m.append_history(attempt);
+    m.append_history(HistoryEntry::Delivery(attempt));
     m.attempts += 1;
     let next = after_attempt(completion, m.resume_at, m.again, now);
     m.resume_at = None;
@@ -478,7 +478,7 @@ pub fn release(model: &mut Model, lease: &Lease, next_at: Millis) -> bool {
 pub fn resend(
     model: &mut Model,
     id: &MessageId,
-    mark: Attempt,
+    mark: ResendMark,
     fresh_deadline: Millis,
     now: Millis,
 ) -> ResendEffect {
@@ -488,7 +488,7 @@ pub fn resend(
     if m.state == MessageState::Recorded || m.ended(now) {
         return ResendEffect::Skipped;
     }
-    m.append_history(mark);
+    m.append_history(HistoryEntry::Resend(mark));
     match (m.state, m.due_at) {
         (MessageState::Delivered | MessageState::Dead, _) => {
             m.state = MessageState::Pending;

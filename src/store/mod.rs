@@ -189,13 +189,67 @@ pub enum AcceptOutcome {
     InvalidTransition { from: String },
 }
 
-/// One row of a message's history: a delivery attempt or an operator's resend.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+/// One row of a message's history as it is stored: a delivery attempt or an operator's
+/// resend. The API shows it through its own view (`http/views.rs`), so the stored shape can
+/// change without changing the API, and the reverse.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum HistoryEntry {
+    Delivery(DeliveryAttempt),
+    /// Rows written before marks had their own type carry `"attempt": 0`, which is ignored.
+    Resend(ResendMark),
+}
+
+impl HistoryEntry {
+    /// `delivery` or `resend`, as stored and as the API shows it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            HistoryEntry::Delivery(_) => "delivery",
+            HistoryEntry::Resend(_) => "resend",
+        }
+    }
+
+    pub fn at(&self) -> Millis {
+        match self {
+            HistoryEntry::Delivery(attempt) => attempt.at,
+            HistoryEntry::Resend(mark) => mark.at,
+        }
+    }
+
+    /// The delivery attempt this row records, if it is one.
+    pub fn delivery(&self) -> Option<&DeliveryAttempt> {
+        match self {
+            HistoryEntry::Delivery(attempt) => Some(attempt),
+            HistoryEntry::Resend(_) => None,
+        }
+    }
+
+    /// The resend this row records, if it is one.
+    pub fn resend(&self) -> Option<&ResendMark> {
+        match self {
+            HistoryEntry::Delivery(_) => None,
+            HistoryEntry::Resend(mark) => Some(mark),
+        }
+    }
+}
+
+impl From<DeliveryAttempt> for HistoryEntry {
+    fn from(attempt: DeliveryAttempt) -> HistoryEntry {
+        HistoryEntry::Delivery(attempt)
+    }
+}
+
+impl From<ResendMark> for HistoryEntry {
+    fn from(mark: ResendMark) -> HistoryEntry {
+        HistoryEntry::Resend(mark)
+    }
+}
+
+/// One delivery attempt and what came of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Attempt {
-    /// `delivery` or `resend`.
-    pub kind: String,
-    /// Attempt number for deliveries (1-based), 0 for resend marks.
+pub struct DeliveryAttempt {
+    /// 1-based.
     pub attempt: u32,
     pub at: Millis,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -205,13 +259,21 @@ pub struct Attempt {
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency_ms: Option<u64>,
-    /// The resend request id, for resend marks.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub request_id: Option<String>,
     /// What the receiver answered, for deliveries that got an HTTP status. Absent in rows
     /// written before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response: Option<ReceiverAnswer>,
+}
+
+/// An operator's resend, recorded in the history of the message it resent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResendMark {
+    pub at: Millis,
+    /// The resend request id, when the operator gave one: a repeated walk of the same id
+    /// finds its mark and does not resend twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// Bytes of a receiver's body kept with its attempt: enough to read why it refused, bounded so
@@ -297,7 +359,7 @@ pub struct MessageRecord {
     pub next_attempt_at: Option<Millis>,
     /// The first row and the latest [`HISTORY_TAIL`] rows; empty on list pages, which never
     /// load histories.
-    pub history: Vec<Attempt>,
+    pub history: Vec<HistoryEntry>,
     /// Rows ever recorded, kept or dropped.
     pub history_total: u64,
     /// Delivery attempts made so far.
@@ -413,7 +475,7 @@ pub trait Store: Send + Sync + 'static {
     async fn complete(
         &self,
         claimed: &Lease,
-        attempt: Attempt,
+        attempt: DeliveryAttempt,
         completion: Completion,
         now: Millis,
     ) -> Result<bool, StoreError>;
@@ -430,7 +492,7 @@ pub trait Store: Send + Sync + 'static {
     async fn resend(
         &self,
         id: &MessageId,
-        mark: Attempt,
+        mark: ResendMark,
         fresh_deadline: Millis,
         now: Millis,
     ) -> Result<ResendEffect, StoreError>;

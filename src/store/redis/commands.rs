@@ -10,9 +10,9 @@ use super::keys::{self, Keys};
 use super::{RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
 use crate::clock::Millis;
 use crate::store::{
-    AcceptOutcome, AcceptRequest, Attempt, Completion, HISTORY_TAIL, Lease, MessageId,
-    MessageState, OperationReservation, ResendEffect, SWEEP_LIMIT, StoreError, decode_operation,
-    encode_finished_operation, encode_running_operation,
+    AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL, HistoryEntry, Lease,
+    MessageId, MessageState, OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT,
+    StoreError, decode_operation, encode_finished_operation, encode_running_operation,
 };
 
 /// The scripts, compiled in. History appends are shared Lua, prepended to the scripts that
@@ -222,7 +222,7 @@ fn decode_lease(row: Value) -> Result<Lease, StoreError> {
 pub(super) async fn complete(
     store: &RedisStore,
     claimed: &Lease,
-    attempt: &Attempt,
+    attempt: DeliveryAttempt,
     completion: Completion,
     now: Millis,
 ) -> Result<bool, StoreError> {
@@ -251,7 +251,7 @@ pub(super) async fn complete(
     call.arg(id.as_str())
         .arg(claimed.token)
         .arg(outcome)
-        .arg(to_json(attempt)?)
+        .arg(to_json(&HistoryEntry::Delivery(attempt))?)
         .arg(next_at)
         .arg(now)
         .arg(store.retention_secs)
@@ -290,7 +290,7 @@ async fn applied(store: &RedisStore, script: &Script, call: &Cmd) -> Result<bool
 pub(super) async fn resend(
     store: &RedisStore,
     id: &MessageId,
-    mark: &Attempt,
+    mark: ResendMark,
     fresh_deadline: Millis,
     now: Millis,
 ) -> Result<ResendEffect, StoreError> {
@@ -314,7 +314,7 @@ pub(super) async fn resend(
         ],
     );
     call.arg(id.as_str())
-        .arg(to_json(mark)?)
+        .arg(to_json(&HistoryEntry::Resend(mark))?)
         .arg(fresh_deadline)
         .arg(now)
         .arg(HISTORY_TAIL);

@@ -39,9 +39,9 @@ use redis::{Cmd, FromRedisValue, Pipeline, RedisResult, Script, Value};
 use serde::Serialize;
 
 use super::{
-    AcceptOutcome, AcceptRequest, Attempt, Completion, DEFAULT_PAYMENT_RETENTION_SECS, Lease,
-    ListFilter, MessageId, MessageRecord, NewMessage, OperationReservation, Page, QueueDepth,
-    ResendEffect, Store, StoreError,
+    AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
+    Lease, ListFilter, MessageId, MessageRecord, NewMessage, OperationReservation, Page,
+    QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use commands::Scripts;
@@ -250,11 +250,11 @@ impl Store for RedisStore {
     async fn complete(
         &self,
         claimed: &Lease,
-        attempt: Attempt,
+        attempt: DeliveryAttempt,
         completion: Completion,
         now: Millis,
     ) -> Result<bool, StoreError> {
-        commands::complete(self, claimed, &attempt, completion, now).await
+        commands::complete(self, claimed, attempt, completion, now).await
     }
 
     async fn release(&self, claimed: &Lease, next_at: Millis) -> Result<bool, StoreError> {
@@ -272,11 +272,11 @@ impl Store for RedisStore {
     async fn resend(
         &self,
         id: &MessageId,
-        mark: Attempt,
+        mark: ResendMark,
         fresh_deadline: Millis,
         now: Millis,
     ) -> Result<ResendEffect, StoreError> {
-        commands::resend(self, id, &mark, fresh_deadline, now).await
+        commands::resend(self, id, mark, fresh_deadline, now).await
     }
 
     async fn reserve_operation(

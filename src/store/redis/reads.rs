@@ -9,7 +9,7 @@ use super::keys::Keys;
 use super::{RedisStore, corrupt, decode, decode_message, field};
 use crate::clock::Millis;
 use crate::store::{
-    Attempt, ListFilter, MessageId, MessageRecord, MessageState, Page, QueueDepth, StoreError,
+    HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, Page, QueueDepth, StoreError,
     matches_filter,
 };
 
@@ -170,7 +170,7 @@ fn record(
         .ok_or_else(|| corrupt(format!("message {} has no valid state", message.id)))?;
     let history = history
         .iter()
-        .map(|row| serde_json::from_str::<Attempt>(row).map_err(corrupt))
+        .map(|row| serde_json::from_str::<HistoryEntry>(row).map_err(corrupt))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Some(MessageRecord {
         state,

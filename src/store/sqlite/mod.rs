@@ -49,9 +49,9 @@ pub use writer::CommitStall;
 use self::error::{Db, context, corrupt, db_error};
 use self::writer::Writer;
 use super::{
-    AcceptOutcome, AcceptRequest, Attempt, Completion, DEFAULT_PAYMENT_RETENTION_SECS, Lease,
-    ListFilter, MessageId, MessageRecord, OperationReservation, Page, QueueDepth, ResendEffect,
-    Store, StoreError,
+    AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
+    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
+    QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 
@@ -330,11 +330,11 @@ impl Store for SqliteStore {
     async fn complete(
         &self,
         claimed: &Lease,
-        attempt: Attempt,
+        attempt: DeliveryAttempt,
         completion: Completion,
         now: Millis,
     ) -> Result<bool, StoreError> {
-        let attempt = serde_json::to_string(&attempt).map_err(corrupt)?;
+        let attempt = serde_json::to_string(&HistoryEntry::Delivery(attempt)).map_err(corrupt)?;
         let claimed = claimed.clone();
         let retention_ms = self.retention_ms;
         self.writer
@@ -364,12 +364,12 @@ impl Store for SqliteStore {
     async fn resend(
         &self,
         id: &MessageId,
-        mark: Attempt,
+        mark: ResendMark,
         fresh_deadline: Millis,
         now: Millis,
     ) -> Result<ResendEffect, StoreError> {
         let id = id.to_string();
-        let mark = serde_json::to_string(&mark).map_err(corrupt)?;
+        let mark = serde_json::to_string(&HistoryEntry::Resend(mark)).map_err(corrupt)?;
         self.writer
             .commit(Some(now), move |conn| {
                 commands::resend(conn, &id, &mark, fresh_deadline, now)

@@ -7,7 +7,7 @@ use rusqlite::{Connection, OptionalExtension, params, params_from_iter};
 use super::error::{Db, corrupt};
 use crate::clock::Millis;
 use crate::store::{
-    Attempt, ListFilter, MessageId, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
+    HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
     StoreError, matches_filter,
 };
 
@@ -40,7 +40,7 @@ fn record_from_row(
     })
 }
 
-fn history(conn: &Connection, id: &str) -> Result<Vec<Attempt>, StoreError> {
+fn history(conn: &Connection, id: &str) -> Result<Vec<HistoryEntry>, StoreError> {
     let rows: Vec<String> = conn
         .prepare_cached("SELECT attempt_json FROM attempts WHERE message_id = ?1 ORDER BY seq")
         .db()?

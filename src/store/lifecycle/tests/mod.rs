@@ -73,29 +73,21 @@ fn accept_recorded(m: &mut Model, now: Millis) -> MessageId {
     id
 }
 
-fn delivery(attempt: u32, at: Millis) -> Attempt {
-    Attempt {
-        kind: "delivery".into(),
+fn delivery(attempt: u32, at: Millis) -> DeliveryAttempt {
+    DeliveryAttempt {
         attempt,
         at,
         status: Some(500),
         error: None,
         latency_ms: Some(5),
-        request_id: None,
         response: None,
     }
 }
 
-fn mark(at: Millis) -> Attempt {
-    Attempt {
-        kind: "resend".into(),
-        attempt: 0,
+fn mark(at: Millis) -> ResendMark {
+    ResendMark {
         at,
-        status: None,
-        error: None,
-        latency_ms: None,
         request_id: Some("op".into()),
-        response: None,
     }
 }
 
@@ -337,7 +329,11 @@ fn resend_from_each_state() {
             assert_eq!(after, &before, "recorded: no mark");
             continue;
         }
-        assert_eq!(after.history.last(), Some(&mark(f.now)), "{spot:?}: marked");
+        assert_eq!(
+            after.history.last(),
+            Some(&mark(f.now).into()),
+            "{spot:?}: marked"
+        );
         let (state, due, deadline) = match spot {
             Spot::DueHead => (MessageState::Pending, Some(T0), before.deadline),
             Spot::WaitingHead => (MessageState::Pending, Some(f.now), before.deadline),
