@@ -170,6 +170,11 @@ contract!(
     history_keeps_the_first_and_the_latest_rows_and_counts_every_row,
     list_pages_carry_counts_but_no_histories,
     everything_of_a_finished_message_is_swept_after_the_retention,
+    retries_days_ahead_become_due_exactly_at_their_time,
+    order_per_key_is_kept_across_far_retries,
+    resend_expedites_a_message_retried_days_ahead,
+    a_message_retried_past_its_deadline_is_swept_after_the_retention,
+    a_forty_day_clock_jump_claims_everything_due,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -1582,6 +1587,254 @@ async fn everything_of_a_finished_message_is_swept_after_the_retention(h: &Harne
     )
     .await;
     assert!(everything.is_empty(), "no index entry left behind");
+}
+
+// ---------------------------------------------------------------------------------------
+// Retries scheduled days ahead
+
+/// Accepts a message of `key` at `now`, claims it and schedules its retry at `next_at`.
+async fn retried_at(s: &dyn Store, key: &str, now: Millis, next_at: Millis) -> MessageId {
+    let id = accept_new(s, key, now).await;
+    let c = claim_one(s, now, &id).await;
+    assert!(complete(s, &c, Completion::Retry { next_at }, now).await);
+    id
+}
+
+async fn retries_days_ahead_become_due_exactly_at_their_time(h: &Harness) {
+    let s = h.s();
+    let (key_a, key_b) = keys_sharing_a_partition();
+    // Times on a minute boundary, just before and after one, hours apart, and two in one
+    // minute of one partition; one released (not retried) days ahead.
+    let minute = 60_000;
+    let day3 = (T0 + 3 * DAY_MS) / minute * minute;
+    let plan = [
+        (key_a.as_str(), day3),
+        (key_b.as_str(), day3 + 1),
+        ("far/3", day3 - 1),
+        ("far/4", day3 + minute - 1),
+        ("far/5", day3 + 12 * 3_600_000 + 7),
+        ("far/6", T0 + 30 * DAY_MS + 5),
+    ];
+    let mut due = Vec::new();
+    for (i, (key, at)) in plan.iter().enumerate() {
+        let id = retried_at(s, key, T0 + i as Millis, *at).await;
+        due.push((*at, id));
+    }
+    let released = accept_new(s, "far/released", T0 + 10).await;
+    let lease = claim_one(s, T0 + 10, &released).await;
+    let released_at = T0 + 4 * DAY_MS + 3;
+    assert!(s.release(&lease, released_at).await.unwrap());
+    due.push((released_at, released));
+    for (at, id) in &due {
+        assert_eq!(get(s, id).await.next_attempt_at, Some(*at), "{id}");
+    }
+    // Claims along the way (a day before, minutes before, the millisecond before) take
+    // nothing early, and each message is claimed at its time, with its history.
+    due.sort();
+    let mut last = T0 + 10;
+    for (at, id) in &due {
+        for probe in [at - DAY_MS, at - 2 * minute, at - minute / 2, at - 1] {
+            if probe > last {
+                assert!(
+                    claim(s, probe, 100).await.is_empty(),
+                    "nothing due at {} (next {id} at {})",
+                    probe - T0,
+                    at - T0
+                );
+                last = probe;
+            }
+        }
+        assert_eq!(get(s, id).await.next_attempt_at, Some(*at), "{id}");
+        let c = claim_one(s, *at, id).await;
+        last = *at;
+        assert!(complete(s, &c, Completion::Delivered, *at).await);
+        assert_eq!(get(s, id).await.state, MessageState::Delivered);
+    }
+    assert!(claim(s, T0 + 60 * DAY_MS, 100).await.is_empty());
+}
+
+async fn order_per_key_is_kept_across_far_retries(h: &Harness) {
+    let s = h.s();
+    let (key, neighbour) = keys_sharing_a_partition();
+    let first = accept_new(s, &key, T0).await;
+    let second = accept_new(s, &key, T0 + 1).await;
+    let third = accept_new(s, &key, T0 + 2).await;
+    let day2 = T0 + 2 * DAY_MS;
+    let c = claim_one(s, T0 + 3, &first).await;
+    assert!(complete(s, &c, Completion::Retry { next_at: day2 }, T0 + 3).await);
+    // Another key of the partition waits in the same minute.
+    let other = retried_at(s, &neighbour, T0 + 4, day2 + 10).await;
+    for probe in [T0 + DAY_MS, day2 - 60_000, day2 - 1] {
+        assert!(claim(s, probe, 100).await.is_empty(), "{}", probe - T0);
+    }
+    assert_eq!(
+        get(s, &second).await.next_attempt_at,
+        None,
+        "behind the head"
+    );
+
+    // Retried again, days ahead: its successors keep waiting behind it.
+    let c = claim_one(s, day2, &first).await;
+    let day7 = day2 + 5 * DAY_MS;
+    assert!(complete(s, &c, Completion::Retry { next_at: day7 }, day2).await);
+    let c = claim_one(s, day2 + 10, &other).await;
+    assert!(complete(s, &c, Completion::Delivered, day2 + 10).await);
+    assert!(claim(s, day7 - 1, 100).await.is_empty());
+    let c = claim_one(s, day7, &first).await;
+    assert!(complete(s, &c, Completion::Delivered, day7).await);
+
+    // The successor is due at once; its own retry days ahead holds the third back.
+    let c = claim_one(s, day7, &second).await;
+    let day8 = day7 + DAY_MS;
+    assert!(complete(s, &c, Completion::Retry { next_at: day8 }, day7).await);
+    assert!(claim(s, day8 - 1, 100).await.is_empty());
+    let c = claim_one(s, day8, &second).await;
+    assert!(complete(s, &c, Completion::Dead, day8).await);
+    let c = claim_one(s, day8, &third).await;
+    assert!(complete(s, &c, Completion::Delivered, day8).await);
+    let states = [
+        get(s, &first).await.state,
+        get(s, &second).await.state,
+        get(s, &third).await.state,
+    ];
+    assert_eq!(
+        states,
+        [
+            MessageState::Delivered,
+            MessageState::Dead,
+            MessageState::Delivered
+        ]
+    );
+}
+
+async fn resend_expedites_a_message_retried_days_ahead(h: &Harness) {
+    let s = h.s();
+    let (key, neighbour) = keys_sharing_a_partition();
+    let original = T0 + 3 * DAY_MS;
+    let id = retried_at(s, &key, T0, original).await;
+    // A neighbour in the same minute is not disturbed by the expedite.
+    let other = retried_at(s, &neighbour, T0 + 1, original + 1).await;
+
+    let now = T0 + 1_000;
+    assert_eq!(
+        s.resend(&id, resend_mark(now), now + 7 * DAY_MS, now)
+            .await
+            .unwrap(),
+        ResendEffect::Expedited
+    );
+    assert_eq!(get(s, &id).await.next_attempt_at, Some(now));
+    let c = claim_one(s, now, &id).await;
+    assert_eq!((c.attempts, c.backoff_step), (1, 1));
+    // The expedited attempt fails with a short backoff: the schedule resumes days ahead.
+    let retry = Completion::Retry {
+        next_at: now + 2_000,
+    };
+    assert!(complete(s, &c, retry, now + 1).await);
+    assert_eq!(get(s, &id).await.next_attempt_at, Some(original));
+    assert_eq!(get(s, &other).await.next_attempt_at, Some(original + 1));
+    assert!(
+        claim(s, now + 2_000, 100).await.is_empty(),
+        "resumed, not early"
+    );
+    assert!(claim(s, original - 1, 100).await.is_empty());
+    let both = claim_exactly(s, original + 1, &[&id, &other]).await;
+    for c in &both {
+        assert!(complete(s, c, Completion::Delivered, original + 1).await);
+    }
+
+    // Expedited after its time has passed (no claim in between): due already, nothing moves.
+    let late = retried_at(s, "far/late", original + 2, original + 2 * DAY_MS).await;
+    let after = original + 3 * DAY_MS;
+    assert_eq!(
+        s.resend(&late, resend_mark(after), after + 7 * DAY_MS, after)
+            .await
+            .unwrap(),
+        ResendEffect::Expedited
+    );
+    assert_eq!(
+        get(s, &late).await.next_attempt_at,
+        Some(original + 2 * DAY_MS)
+    );
+    claim_one(s, after, &late).await;
+}
+
+async fn a_message_retried_past_its_deadline_is_swept_after_the_retention(h: &Harness) {
+    let s = h.s();
+    let baseline = h.footprint();
+    let m = new_message("far/deadline", T0);
+    let deadline = m.deadline;
+    let id = accept(s, m, T0).await;
+    let c = claim_one(s, T0, &id).await;
+    let next_at = deadline + 3 * DAY_MS;
+    assert!(complete(s, &c, Completion::Retry { next_at }, T0).await);
+    h.sweep_all(next_at - 1).await;
+    assert_eq!(
+        get(s, &id).await.state,
+        MessageState::Pending,
+        "never swept while unfinished"
+    );
+    assert!(claim(s, next_at - 1, 100).await.is_empty());
+    // Due at its time with the deadline passed: the dispatcher ends it.
+    let c = claim_one(s, next_at, &id).await;
+    assert_eq!(c.deadline, deadline);
+    assert!(complete(s, &c, Completion::Dead, next_at).await);
+    let end = next_at + RETENTION_SECS as Millis * 1000;
+    h.sweep_all(end - 1).await;
+    assert_eq!(get(s, &id).await.state, MessageState::Dead);
+    h.sweep_all(end).await;
+    assert_eq!(s.get(&id).await.unwrap(), None);
+    assert_eq!(h.footprint(), baseline, "no key or row left behind");
+}
+
+async fn a_forty_day_clock_jump_claims_everything_due(h: &Harness) {
+    let s = h.s();
+    let mut due = BTreeSet::new();
+    let mut later = BTreeSet::new();
+    let mut behind = BTreeSet::new();
+    for i in 0..60i64 {
+        let key = format!("jump/{i}");
+        // Spread over the 40 days, a few of them past the jump.
+        let at = T0 + (1 + i * 17 % 44) * DAY_MS + i * 3_600_007 % DAY_MS;
+        let id = retried_at(s, &key, T0 + i, at).await;
+        if at <= T0 + 40 * DAY_MS {
+            due.insert(id);
+        } else {
+            later.insert(id);
+        }
+        if i % 10 == 0 {
+            behind.insert(accept_new(s, &key, T0 + 100 + i).await);
+        }
+    }
+    assert!(!due.is_empty() && !later.is_empty());
+    let jump = T0 + 40 * DAY_MS;
+    let mut claimed = BTreeSet::new();
+    for _ in 0..100 {
+        let got = claim(s, jump, 7).await;
+        if got.is_empty() {
+            break;
+        }
+        for c in &got {
+            assert!(claimed.insert(c.message.id.clone()), "claimed twice");
+            assert!(complete(s, c, Completion::Dead, jump).await);
+        }
+    }
+    let due_heads: BTreeSet<_> = due.iter().cloned().collect();
+    let successors: BTreeSet<_> = claimed.difference(&due_heads).cloned().collect();
+    assert!(due_heads.is_subset(&claimed), "every due head is claimed");
+    assert!(successors.is_subset(&behind), "then only their successors");
+    assert!(claimed.is_disjoint(&later), "nothing early");
+    // Each successor of a due head is due once its head is done.
+    let waiting: BTreeSet<_> = behind.difference(&successors).cloned().collect();
+    for id in &waiting {
+        assert_eq!(
+            get(s, id).await.next_attempt_at,
+            None,
+            "behind a later head"
+        );
+    }
+    let rest = claim(s, T0 + 46 * DAY_MS, 1000).await;
+    let rest: BTreeSet<_> = rest.into_iter().map(|c| c.message.id).collect();
+    assert_eq!(rest, later);
 }
 
 // ---------------------------------------------------------------------------------------
