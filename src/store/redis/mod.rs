@@ -20,9 +20,14 @@
 //! - **A versioned layout.** The version is in `cb:schema`; [`RedisStore::upgrade`] brings an
 //!   older layout up to date in place (`upgrade.rs`).
 //!
+//! - **Accepts committed in groups.** Concurrent accepts of one partition share one script
+//!   call (`batch.rs`): Redis' cost per call, not per `redis.call`, dominated a lone accept
+//!   (BENCHMARKS.md, "Group commit on Redis").
+//!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
 //! `reads.rs` answers the reads; both go through the round trips defined here.
 
+mod batch;
 mod commands;
 mod keys;
 mod reads;
@@ -30,6 +35,7 @@ mod upgrade;
 
 use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::OnceLock;
 use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
@@ -58,8 +64,12 @@ pub struct DurabilitySettings {
 }
 
 pub struct RedisStore {
-    conn: ConnectionManager,
+    link: Link,
     scripts: Scripts,
+    /// Bounds every call, including the time an accept waits for its group.
+    timeout: Duration,
+    /// Started by the first accept, so that the settings below are final by then.
+    accepts: OnceLock<batch::Batcher>,
     /// How long finished messages, their history and dedupe claims are kept.
     retention_secs: u64,
     /// How long a payment's status outlives its last transition.
@@ -93,8 +103,10 @@ impl RedisStore {
                 })?
                 .map_err(unavailable)?;
         Ok(RedisStore {
-            conn,
+            link: Link { conn },
             scripts: Scripts::new(),
+            timeout,
+            accepts: OnceLock::new(),
             retention_secs,
             payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
             store_clock_leases: true,
@@ -140,7 +152,52 @@ impl RedisStore {
         }
     }
 
-    /// Sends one round trip. Clones of the connection manager share its connection.
+    /// Sends one round trip.
+    async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
+        self.link.query(request).await
+    }
+
+    /// Sends one round trip; a failure is the store being unavailable.
+    async fn send<'r, T: FromRedisValue>(
+        &self,
+        request: impl Into<Request<'r>>,
+    ) -> Result<T, StoreError> {
+        self.link.send(request.into()).await
+    }
+
+    /// Sends calls of `script`; see [`Link::eval`].
+    async fn eval<'r, T: FromRedisValue>(
+        &self,
+        script: &Script,
+        request: impl Into<Request<'r>>,
+    ) -> Result<T, StoreError> {
+        self.link.eval(script, request.into()).await
+    }
+
+    /// The group committer of accepts, started on first use.
+    fn accepts(&self) -> &batch::Batcher {
+        self.accepts.get_or_init(|| {
+            batch::Batcher::start(
+                self.link.clone(),
+                self.scripts.accept(),
+                commands::AcceptSettings {
+                    payment_retention_secs: self.payment_retention_secs,
+                    retention_secs: self.retention_secs,
+                },
+                self.timeout,
+            )
+        })
+    }
+}
+
+/// The connection, shared by the store and its group committer. Clones of the connection
+/// manager share its connection.
+#[derive(Clone)]
+struct Link {
+    conn: ConnectionManager,
+}
+
+impl Link {
     async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
         let mut conn = self.conn.clone();
         match request {
@@ -149,23 +206,18 @@ impl RedisStore {
         }
     }
 
-    /// Sends one round trip; a failure is the store being unavailable.
-    async fn send<'r, T: FromRedisValue>(
-        &self,
-        request: impl Into<Request<'r>>,
-    ) -> Result<T, StoreError> {
-        self.query(request.into()).await.map_err(unavailable)
+    async fn send<T: FromRedisValue>(&self, request: Request<'_>) -> Result<T, StoreError> {
+        self.query(request).await.map_err(unavailable)
     }
 
     /// Sends calls of `script` (see [`script_call`]). A server that restarted since, or another
     /// server behind the URL, has no scripts in its cache: a NOSCRIPT reply loads `script` and
     /// sends the calls again.
-    async fn eval<'r, T: FromRedisValue>(
+    async fn eval<T: FromRedisValue>(
         &self,
         script: &Script,
-        request: impl Into<Request<'r>>,
+        request: Request<'_>,
     ) -> Result<T, StoreError> {
-        let request = request.into();
         match self.query(request).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 let mut conn = self.conn.clone();
@@ -235,7 +287,7 @@ fn field<T: FromStr>(fields: &HashMap<String, String>, name: &str) -> Option<T> 
 #[async_trait]
 impl Store for RedisStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
-        commands::accept(self, &req, now).await
+        commands::accept(self, req, now).await
     }
 
     async fn claim_due(
