@@ -70,6 +70,14 @@ impl Batcher {
         Batcher { queues, timeout }
     }
 
+    /// Accepts queued and not yet taken into a group (not counting the groups being sent).
+    pub(super) fn queued(&self) -> usize {
+        self.queues
+            .iter()
+            .map(|queue| QUEUE_CAPACITY - queue.capacity())
+            .sum()
+    }
+
     /// Queues one accept for its partition's next group and waits for its outcome, at most
     /// `timeout` in all. A caller that gives up (timeout, or its future is dropped) before its
     /// group is sent is left out of it: its failure then means nothing was written.

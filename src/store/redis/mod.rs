@@ -127,6 +127,11 @@ impl RedisStore {
         self
     }
 
+    /// Accepts waiting for their group to be sent (observability, and the group-commit tests).
+    pub fn queued_accepts(&self) -> usize {
+        self.accepts.get().map_or(0, batch::Batcher::queued)
+    }
+
     /// `CONFIG GET` of the persistence and eviction settings, or `None` when CONFIG is
     /// disabled, renamed or not permitted (managed Redis often does that): what that means is
     /// the caller's decision. One command per setting, since Redis 6 takes one name per GET.
