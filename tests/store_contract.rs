@@ -140,7 +140,7 @@ contract!(
     racing_transitions_of_one_payment_have_one_winner,
     concurrent_duplicates_are_accepted_once,
     concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike,
-    a_transition_refused_among_concurrent_accepts_fails_only_itself,
+    a_refused_transition_in_a_run_of_accepts_fails_only_itself,
     claim_due_leases_only_due_messages,
     an_expired_lease_is_claimed_again_with_a_new_token,
     claim_due_never_returns_more_than_the_limit,
@@ -525,7 +525,7 @@ async fn concurrent_duplicates_are_accepted_once(h: &Harness) {
     assert_eq!(all.len(), 31);
 }
 
-/// An accept started by [`start_in_order`]: in flight, or already answered.
+/// An accept started by [`start_together`]: in flight, or already answered.
 type Accepting<'s> = futures::future::Either<
     std::future::Ready<Result<AcceptOutcome, StoreError>>,
     std::pin::Pin<
@@ -533,10 +533,9 @@ type Accepting<'s> = futures::future::Either<
     >,
 >;
 
-/// Starts `requests` so that they reach the store in their order, all in flight together: each
-/// is polled once (which queues it with the store) before the next is. Await them with
-/// `join_all`.
-async fn start_in_order(
+/// Starts `requests`, all in flight together: each is polled once, which sends it. Await them
+/// with `join_all`.
+async fn start_together(
     s: &dyn Store,
     requests: Vec<AcceptRequest>,
     now: Millis,
@@ -554,8 +553,8 @@ async fn start_in_order(
     started
 }
 
-/// The same event many times at once, each copy with its own message: the first to arrive is
-/// accepted and every other gets its stored response, byte for byte.
+/// The same event many times at once, each copy with its own message: one is accepted and
+/// every other gets its stored response, byte for byte.
 async fn concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike(h: &Harness) {
     let s = h.s();
     let copies = |claim_key: &str, n: i64| -> Vec<AcceptRequest> {
@@ -563,19 +562,6 @@ async fn concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike(h: &
             .map(|i| request(claim_key, new_message(&format!("o-{claim_key}"), T0 + i)))
             .collect()
     };
-
-    let ordered = copies("same-ordered", 10);
-    let first_response = ordered[0].dedupe.response.clone();
-    let outcomes = futures::future::join_all(start_in_order(s, ordered, T0).await).await;
-    let mut want = vec![AcceptOutcome::Accepted];
-    want.extend((1..10).map(|_| AcceptOutcome::Replayed {
-        response: first_response.clone(),
-    }));
-    assert_eq!(
-        outcomes.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
-        want,
-        "in arrival order: accepted, then replays of its response"
-    );
 
     let racing = copies("same-racing", 50);
     let responses: Vec<String> = racing.iter().map(|r| r.dedupe.response.clone()).collect();
@@ -596,24 +582,23 @@ async fn concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike(h: &
             );
         }
     }
-    for key in ["o-same-ordered", "o-same-racing"] {
-        let listed = list_all(
-            s,
-            ListFilter {
-                ordering_key: Some(key.into()),
-                limit: 100,
-                ..Default::default()
-            },
-        )
-        .await;
-        assert_eq!(listed.len(), 1, "{key}");
-    }
+    let listed = list_all(
+        s,
+        ListFilter {
+            ordering_key: Some("o-same-racing".into()),
+            limit: 100,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(listed.len(), 1);
 }
 
 /// Accepts of one payment arriving together: each is judged after the ones before it, and the
 /// refused transition (or the conflicting replay) changes nothing for the others.
-/// Accepts of one payment, in arrival order, and what each gets: each is judged after the ones
-/// before it, and a refused transition or a conflicting replay changes nothing for the others.
+/// Accepts of one payment, one after the other, and what each gets: each is judged after the
+/// ones before it, and a refused transition or a conflicting replay changes nothing for the
+/// others.
 fn payment_sequence(payment_id: &str) -> (Vec<AcceptRequest>, Vec<AcceptOutcome>) {
     let approve = notification(payment_id, "approved", &["undefined"], T0);
     let deny = notification(payment_id, "denied", &["undefined"], T0 + 1);
@@ -669,15 +654,13 @@ async fn check_payment_sequence(s: &dyn Store, payment_id: &str, requests: &[Acc
     assert_eq!(recorded, accepted);
 }
 
-async fn a_transition_refused_among_concurrent_accepts_fails_only_itself(h: &Harness) {
+async fn a_refused_transition_in_a_run_of_accepts_fails_only_itself(h: &Harness) {
     let s = h.s();
     let (requests, want) = payment_sequence("p-mid");
-    let started = start_in_order(s, requests.clone(), T0).await;
-    let outcomes: Vec<AcceptOutcome> = futures::future::join_all(started)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let mut outcomes = Vec::new();
+    for req in requests.clone() {
+        outcomes.push(s.accept(req, T0).await.unwrap());
+    }
     assert_eq!(outcomes, want);
     check_payment_sequence(s, "p-mid", &requests).await;
 }
@@ -2094,15 +2077,6 @@ mod redis_only {
         store
     }
 
-    /// Script calls the server has run (`INFO commandstats`).
-    fn script_calls(server: &RedisServer) -> u64 {
-        let info = server.cli(&["INFO", "commandstats"]);
-        info.lines()
-            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .map_or(0, |calls| calls.parse().expect("a count of calls"))
-    }
-
     async fn until_answering(store: &RedisStore) {
         for _ in 0..200 {
             if store.ping().await.is_ok() {
@@ -2113,91 +2087,23 @@ mod redis_only {
         panic!("the store never answered again");
     }
 
-    /// Pauses `server` with one accept of `ordering_key`'s partition sent and unanswered, so that
-    /// accepts of that partition queue behind it. Returns that accept, still to be awaited, and
-    /// the script calls the server had run before it.
-    async fn hold_a_call<'s>(
-        server: &RedisServer,
-        store: &'s RedisStore,
-        ordering_key: &str,
-    ) -> (Accepting<'s>, u64) {
-        // Loads the script and starts the store's accept tasks.
-        accept_new(store, &format!("{ordering_key}/warm"), T0).await;
-        let calls = script_calls(server);
-        server.pause();
-        let blocker = request("blocker", new_message(ordering_key, T0));
-        let mut started = start_in_order(store, vec![blocker], T0).await;
-        while store.queued_accepts() > 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        (started.remove(0), calls)
-    }
-
-    /// Group commit: accepts that queue while a call of their partition runs all go into the
-    /// next call together, each with the outcome it would have had alone, in arrival order.
+    /// Redis dies with accepts of one partition sent and unanswered: each fails on its own as
+    /// unavailable (503), and none burnt its key: after the restart every event is accepted as
+    /// new, not replayed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn accepts_queued_behind_a_call_share_the_next_one() {
-        let server = RedisServer::start();
-        let store = connected(&server, Duration::from_secs(10)).await;
-        let key = payment::ordering_key("p-group");
-        let (blocker, before) = hold_a_call(&server, &store, &key).await;
-        let (requests, want) = payment_sequence("p-group");
-        let started = start_in_order(&store, requests.clone(), T0).await;
-        assert_eq!(store.queued_accepts(), requests.len());
-        server.resume();
-        assert_eq!(blocker.await.unwrap(), AcceptOutcome::Accepted);
-        let outcomes: Vec<AcceptOutcome> = futures::future::join_all(started)
-            .await
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
-        assert_eq!(outcomes, want);
-        assert_eq!(
-            script_calls(&server) - before,
-            2,
-            "the held accept's call, then one call for the five queued behind it"
-        );
-        check_payment_sequence(&store, "p-group", &requests).await;
-    }
-
-    /// A caller that hangs up before its group is sent is left out of it: nothing is written,
-    /// and the same event later is new.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_accept_given_up_before_its_group_is_sent_writes_nothing() {
-        let server = RedisServer::start();
-        let store = connected(&server, Duration::from_secs(10)).await;
-        let key = "pay/given-up";
-        let (blocker, _) = hold_a_call(&server, &store, key).await;
-        let given_up = request("given-up", new_message(key, T0));
-        drop(start_in_order(&store, vec![given_up.clone()], T0).await);
-        assert_eq!(store.queued_accepts(), 1);
-        server.resume();
-        assert_eq!(blocker.await.unwrap(), AcceptOutcome::Accepted);
-        assert_eq!(
-            store.accept(given_up, T0).await.unwrap(),
-            AcceptOutcome::Accepted
-        );
-    }
-
-    /// Redis dies with a group sent and unanswered, and more queued behind it: each of those
-    /// accepts fails on its own as unavailable (503), and none burnt its key: after the restart
-    /// every event is accepted as new, not replayed.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_group_lost_with_redis_fails_each_of_its_accepts_and_burns_no_key() {
+    async fn accepts_lost_with_redis_fail_each_and_burn_no_key() {
         let mut server = RedisServer::start();
         let store = connected(&server, Duration::from_secs(5)).await;
         let key = "pay/lost";
-        let (blocker, _) = hold_a_call(&server, &store, key).await;
+        // Loads the script, so what is sent below is the accepts themselves.
+        accept_new(&store, "pay/lost/warm", T0).await;
+        server.pause();
         let requests: Vec<AcceptRequest> = (0..8)
             .map(|i| request(&format!("lost-{i}"), new_message(key, T0 + i)))
             .collect();
-        let started = start_in_order(&store, requests.clone(), T0).await;
+        let started = start_together(&store, requests.clone(), T0).await;
         // SIGKILL while stopped: the server never reads what was sent to it.
         server.stop(true);
-        assert!(
-            matches!(blocker.await, Err(StoreError::Unavailable(_))),
-            "the call in flight fails"
-        );
         for outcome in futures::future::join_all(started).await {
             assert!(
                 matches!(outcome, Err(StoreError::Unavailable(_))),
@@ -2214,8 +2120,8 @@ mod redis_only {
         }
     }
 
-    /// Many accepts at once over every partition, grouped however they arrived: each one
-    /// acknowledged is on disk (AOF, `appendfsync always`) when Redis is killed right after.
+    /// Many accepts at once over every partition: each one acknowledged is on disk (AOF,
+    /// `appendfsync always`) when Redis is killed right after.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_acknowledged_accept_survives_a_crash() {
         let mut server = RedisServer::start();
@@ -2250,31 +2156,6 @@ mod redis_only {
                 AcceptOutcome::Replayed { response }
             );
         }
-    }
-
-    /// Accept tasks run on the runtime of the store's first accept. When that runtime is gone,
-    /// an accept is refused at once instead of waiting for a task that no longer exists.
-    #[test]
-    fn an_accept_whose_task_is_gone_is_unavailable_not_a_hang() {
-        let server = RedisServer::start();
-        let first = tokio::runtime::Runtime::new().unwrap();
-        let store = first.block_on(async {
-            let store = connected(&server, Duration::from_secs(60)).await;
-            accept_new(&store, "pay/runtime", T0).await;
-            store
-        });
-        drop(first);
-        let second = tokio::runtime::Runtime::new().unwrap();
-        second.block_on(async {
-            let late = request("late", new_message("pay/runtime", T0));
-            let answer = tokio::time::timeout(Duration::from_secs(10), store.accept(late, T0))
-                .await
-                .expect("answered well before the store's timeout");
-            assert!(
-                matches!(answer, Err(StoreError::Unavailable(_))),
-                "{answer:?}"
-            );
-        });
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use redis::{Cmd, Script, Value};
 
 use super::keys::{self, Keys};
-use super::{Link, RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
+use super::{RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
 use crate::clock::Millis;
 use crate::store::{
     AcceptOutcome, AcceptRequest, Attempt, Completion, HISTORY_TAIL, Lease, MessageId,
@@ -27,11 +27,6 @@ pub(super) struct Scripts {
 }
 
 impl Scripts {
-    /// The accept script, for the group committer that sends it.
-    pub(super) fn accept(&self) -> Script {
-        self.accept.clone()
-    }
-
     pub(super) fn new() -> Scripts {
         Scripts {
             accept: Script::new(include_str!("lua/accept.lua")),
@@ -50,47 +45,11 @@ impl Scripts {
     }
 }
 
-/// `KEYS` per accept in a call of accept.lua.
-const ACCEPT_KEYS: usize = 10;
-/// `ARGV` per accept in a call of accept.lua, after the shared ones.
-const ACCEPT_ARGS: usize = 12;
-
-/// What every accept of one store shares, sent once per call of accept.lua.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct AcceptSettings {
-    pub(super) payment_retention_secs: u64,
-    pub(super) retention_secs: u64,
-}
-
-/// One accept as accept.lua takes it: its `KEYS` and `ARGV`, in the order of the script's
-/// header, all in the partition of its message.
-pub(super) struct AcceptCall {
-    partition: u8,
-    keys: [String; ACCEPT_KEYS],
-    args: [String; ACCEPT_ARGS],
-}
-
-impl AcceptCall {
-    pub(super) fn partition(&self) -> u8 {
-        self.partition
-    }
-
-    /// Bytes it adds to a call, which bound the size of a group.
-    pub(super) fn size(&self) -> usize {
-        self.keys.iter().chain(&self.args).map(String::len).sum()
-    }
-}
-
 pub(super) async fn accept(
     store: &RedisStore,
-    req: AcceptRequest,
+    req: &AcceptRequest,
     now: Millis,
 ) -> Result<AcceptOutcome, StoreError> {
-    let call = accept_call(req, now)?;
-    store.accepts().accept(call).await
-}
-
-fn accept_call(req: AcceptRequest, now: Millis) -> Result<AcceptCall, StoreError> {
     let msg = &req.message;
     let keys = Keys::of_id(&msg.id);
     let initial = if msg.target_url.is_some() {
@@ -100,17 +59,22 @@ fn accept_call(req: AcceptRequest, now: Millis) -> Result<AcceptCall, StoreError
     };
     // Without a payment or a seal the script still gets a key (one that is never written), so
     // the KEYS keep their positions.
-    let (payment_key, to, allowed) = match req.payment {
-        Some(p) => (keys.payment(&p.payment_id), p.to, p.allowed_from.join(" ")),
+    let (payment_key, to, allowed) = match &req.payment {
+        Some(p) => (
+            keys.payment(&p.payment_id),
+            p.to.clone(),
+            p.allowed_from.join(" "),
+        ),
         None => (keys.payment(""), String::new(), String::new()),
     };
     let (seal_key, seal_until) = match &req.seal {
         Some(seal) => (keys.seal(&seal.key), seal.expires_at.to_string()),
         None => (keys.seal(""), String::new()),
     };
-    Ok(AcceptCall {
-        partition: msg.id.partition(),
-        keys: [
+    let script = &store.scripts.accept;
+    let mut call = script_call(
+        script,
+        &[
             keys.dedupe(&req.dedupe.key),
             keys.message(&msg.id),
             keys.queue(&msg.ordering_key),
@@ -122,68 +86,33 @@ fn accept_call(req: AcceptRequest, now: Millis) -> Result<AcceptCall, StoreError
             keys.expiry(),
             seal_key,
         ],
-        args: [
-            req.dedupe.ttl_secs.to_string(),
-            req.dedupe.fingerprint,
-            req.dedupe.response,
-            msg.id.as_str().to_string(),
-            to_json(msg)?,
-            now.to_string(),
-            msg.deadline.to_string(),
-            initial.as_str().to_string(),
-            to,
-            allowed,
-            seal_until,
-            keys::key_hash(&msg.ordering_key),
-        ],
-    })
-}
-
-/// Sends `group`, accepts of `partition` in arrival order, as one call of accept.lua. Each gets
-/// the outcome it would have had called alone after the ones before it. An error fails the
-/// whole call: Redis runs a script all or nothing unless a command inside it fails, and the
-/// calls built here are of keys and values the script always accepts.
-pub(super) async fn accept_group(
-    link: &Link,
-    script: &Script,
-    settings: AcceptSettings,
-    partition: u8,
-    group: &[&AcceptCall],
-) -> Result<Vec<Result<AcceptOutcome, StoreError>>, StoreError> {
-    let keys = Keys::of_partition(partition);
-    let mut call = redis::cmd("EVALSHA");
-    call.arg(script.get_hash()).arg(group.len() * ACCEPT_KEYS);
-    for accept in group {
-        call.arg(&accept.keys[..]);
-    }
-    call.arg(settings.payment_retention_secs)
-        .arg(settings.retention_secs)
-        .arg(keys.prefix());
-    for accept in group {
-        call.arg(&accept.args[..]);
-    }
-    let replies: Vec<Value> = link.eval(script, (&call).into()).await?;
-    if replies.len() != group.len() {
-        return Err(corrupt(format!(
-            "accept script answered {} outcomes for {} accepts",
-            replies.len(),
-            group.len()
-        )));
-    }
-    Ok(replies.into_iter().map(accept_outcome).collect())
-}
-
-fn accept_outcome(reply: Value) -> Result<AcceptOutcome, StoreError> {
-    let reply: Vec<String> = decode(reply)?;
-    match <[String; 2]>::try_from(reply) {
-        Ok([dup, response]) if dup == "dup" => Ok(AcceptOutcome::Replayed { response }),
-        Ok([t, from]) if t == "transition" => Ok(AcceptOutcome::InvalidTransition { from }),
-        Ok(other) => Err(corrupt(format!("accept script answered {other:?}"))),
-        Err(reply) => match reply.as_slice() {
-            [ok] if ok == "ok" => Ok(AcceptOutcome::Accepted),
-            [c] if c == "conflict" => Ok(AcceptOutcome::Conflict),
-            other => Err(corrupt(format!("accept script answered {other:?}"))),
-        },
+    );
+    call.arg(req.dedupe.ttl_secs)
+        .arg(&req.dedupe.fingerprint)
+        .arg(&req.dedupe.response)
+        .arg(msg.id.as_str())
+        .arg(to_json(msg)?)
+        .arg(now)
+        .arg(msg.deadline)
+        .arg(initial.as_str())
+        .arg(to)
+        .arg(allowed)
+        .arg(store.payment_retention_secs)
+        .arg(store.retention_secs)
+        .arg(seal_until)
+        .arg(keys.prefix())
+        .arg(keys::key_hash(&msg.ordering_key));
+    let reply: Vec<String> = store.eval(script, &call).await?;
+    match reply.as_slice() {
+        [ok] if ok == "ok" => Ok(AcceptOutcome::Accepted),
+        [dup, response] if dup == "dup" => Ok(AcceptOutcome::Replayed {
+            response: response.clone(),
+        }),
+        [c] if c == "conflict" => Ok(AcceptOutcome::Conflict),
+        [t, from] if t == "transition" => {
+            Ok(AcceptOutcome::InvalidTransition { from: from.clone() })
+        }
+        other => Err(corrupt(format!("accept script answered {other:?}"))),
     }
 }
 

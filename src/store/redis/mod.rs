@@ -20,14 +20,9 @@
 //! - **A versioned layout.** The version is in `cb:schema`; [`RedisStore::upgrade`] brings an
 //!   older layout up to date in place (`upgrade.rs`).
 //!
-//! - **Accepts committed in groups.** Concurrent accepts of one partition share one script
-//!   call (`batch.rs`): Redis' cost per call, not per `redis.call`, dominated a lone accept
-//!   (BENCHMARKS.md, "Group commit on Redis").
-//!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
 //! `reads.rs` answers the reads; both go through the round trips defined here.
 
-mod batch;
 mod commands;
 mod keys;
 mod reads;
@@ -35,7 +30,6 @@ mod upgrade;
 
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::OnceLock;
 use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
@@ -64,12 +58,8 @@ pub struct DurabilitySettings {
 }
 
 pub struct RedisStore {
-    link: Link,
+    conn: ConnectionManager,
     scripts: Scripts,
-    /// Bounds every call, including the time an accept waits for its group.
-    timeout: Duration,
-    /// Started by the first accept, so that the settings below are final by then.
-    accepts: OnceLock<batch::Batcher>,
     /// How long finished messages, their history and dedupe claims are kept.
     retention_secs: u64,
     /// How long a payment's status outlives its last transition.
@@ -103,10 +93,8 @@ impl RedisStore {
                 })?
                 .map_err(unavailable)?;
         Ok(RedisStore {
-            link: Link { conn },
+            conn,
             scripts: Scripts::new(),
-            timeout,
-            accepts: OnceLock::new(),
             retention_secs,
             payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
             store_clock_leases: true,
@@ -125,11 +113,6 @@ impl RedisStore {
     pub fn with_caller_clock_leases(mut self) -> RedisStore {
         self.store_clock_leases = false;
         self
-    }
-
-    /// Accepts waiting for their group to be sent (observability, and the group-commit tests).
-    pub fn queued_accepts(&self) -> usize {
-        self.accepts.get().map_or(0, batch::Batcher::queued)
     }
 
     /// `CONFIG GET` of the persistence and eviction settings, or `None` when CONFIG is
@@ -157,52 +140,7 @@ impl RedisStore {
         }
     }
 
-    /// Sends one round trip.
-    async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
-        self.link.query(request).await
-    }
-
-    /// Sends one round trip; a failure is the store being unavailable.
-    async fn send<'r, T: FromRedisValue>(
-        &self,
-        request: impl Into<Request<'r>>,
-    ) -> Result<T, StoreError> {
-        self.link.send(request.into()).await
-    }
-
-    /// Sends calls of `script`; see [`Link::eval`].
-    async fn eval<'r, T: FromRedisValue>(
-        &self,
-        script: &Script,
-        request: impl Into<Request<'r>>,
-    ) -> Result<T, StoreError> {
-        self.link.eval(script, request.into()).await
-    }
-
-    /// The group committer of accepts, started on first use.
-    fn accepts(&self) -> &batch::Batcher {
-        self.accepts.get_or_init(|| {
-            batch::Batcher::start(
-                self.link.clone(),
-                self.scripts.accept(),
-                commands::AcceptSettings {
-                    payment_retention_secs: self.payment_retention_secs,
-                    retention_secs: self.retention_secs,
-                },
-                self.timeout,
-            )
-        })
-    }
-}
-
-/// The connection, shared by the store and its group committer. Clones of the connection
-/// manager share its connection.
-#[derive(Clone)]
-struct Link {
-    conn: ConnectionManager,
-}
-
-impl Link {
+    /// Sends one round trip. Clones of the connection manager share its connection.
     async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
         let mut conn = self.conn.clone();
         match request {
@@ -211,18 +149,23 @@ impl Link {
         }
     }
 
-    async fn send<T: FromRedisValue>(&self, request: Request<'_>) -> Result<T, StoreError> {
-        self.query(request).await.map_err(unavailable)
+    /// Sends one round trip; a failure is the store being unavailable.
+    async fn send<'r, T: FromRedisValue>(
+        &self,
+        request: impl Into<Request<'r>>,
+    ) -> Result<T, StoreError> {
+        self.query(request.into()).await.map_err(unavailable)
     }
 
     /// Sends calls of `script` (see [`script_call`]). A server that restarted since, or another
     /// server behind the URL, has no scripts in its cache: a NOSCRIPT reply loads `script` and
     /// sends the calls again.
-    async fn eval<T: FromRedisValue>(
+    async fn eval<'r, T: FromRedisValue>(
         &self,
         script: &Script,
-        request: Request<'_>,
+        request: impl Into<Request<'r>>,
     ) -> Result<T, StoreError> {
+        let request = request.into();
         match self.query(request).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 let mut conn = self.conn.clone();
@@ -292,7 +235,7 @@ fn field<T: FromStr>(fields: &HashMap<String, String>, name: &str) -> Option<T> 
 #[async_trait]
 impl Store for RedisStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
-        commands::accept(self, req, now).await
+        commands::accept(self, &req, now).await
     }
 
     async fn claim_due(
