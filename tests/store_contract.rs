@@ -140,6 +140,8 @@ contract!(
     payment_status_is_compare_and_set,
     racing_transitions_of_one_payment_have_one_winner,
     concurrent_duplicates_are_accepted_once,
+    concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike,
+    a_refused_transition_in_a_run_of_accepts_fails_only_itself,
     claim_due_leases_only_due_messages,
     an_expired_lease_is_claimed_again_with_a_new_token,
     claim_due_never_returns_more_than_the_limit,
@@ -524,6 +526,146 @@ async fn concurrent_duplicates_are_accepted_once(h: &Harness) {
     )
     .await;
     assert_eq!(all.len(), 31);
+}
+
+/// An accept started by [`start_together`]: in flight, or already answered.
+type Accepting<'s> = futures::future::Either<
+    std::future::Ready<Result<AcceptOutcome, StoreError>>,
+    std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<AcceptOutcome, StoreError>> + Send + 's>,
+    >,
+>;
+
+/// Starts `requests`, all in flight together: each is polled once, which sends it. Await them
+/// with `join_all`.
+async fn start_together(
+    s: &dyn Store,
+    requests: Vec<AcceptRequest>,
+    now: Millis,
+) -> Vec<Accepting<'_>> {
+    let mut started = Vec::new();
+    for req in requests {
+        let mut accepting = s.accept(req, now);
+        started.push(match futures::poll!(accepting.as_mut()) {
+            std::task::Poll::Ready(outcome) => {
+                futures::future::Either::Left(std::future::ready(outcome))
+            }
+            std::task::Poll::Pending => futures::future::Either::Right(accepting),
+        });
+    }
+    started
+}
+
+/// The same event many times at once, each copy with its own message: one is accepted and
+/// every other gets its stored response, byte for byte.
+async fn concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike(h: &Harness) {
+    let s = h.s();
+    let copies = |claim_key: &str, n: i64| -> Vec<AcceptRequest> {
+        (0..n)
+            .map(|i| request(claim_key, new_message(&format!("o-{claim_key}"), T0 + i)))
+            .collect()
+    };
+
+    let racing = copies("same-racing", 50);
+    let responses: Vec<String> = racing.iter().map(|r| r.dedupe.response.clone()).collect();
+    let outcomes = futures::future::join_all(racing.into_iter().map(|r| s.accept(r, T0))).await;
+    let outcomes: Vec<AcceptOutcome> = outcomes.into_iter().map(Result::unwrap).collect();
+    let winners: Vec<usize> = (0..outcomes.len())
+        .filter(|i| outcomes[*i] == AcceptOutcome::Accepted)
+        .collect();
+    assert_eq!(winners.len(), 1, "{outcomes:?}");
+    let stored = &responses[winners[0]];
+    for (i, outcome) in outcomes.iter().enumerate() {
+        if i != winners[0] {
+            assert_eq!(
+                outcome,
+                &AcceptOutcome::Replayed {
+                    response: stored.clone()
+                }
+            );
+        }
+    }
+    let listed = list_all(
+        s,
+        ListFilter {
+            ordering_key: Some("o-same-racing".into()),
+            limit: 100,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(listed.len(), 1);
+}
+
+/// Accepts of one payment arriving together: each is judged after the ones before it, and the
+/// refused transition (or the conflicting replay) changes nothing for the others.
+/// Accepts of one payment, one after the other, and what each gets: each is judged after the
+/// ones before it, and a refused transition or a conflicting replay changes nothing for the
+/// others.
+fn payment_sequence(payment_id: &str) -> (Vec<AcceptRequest>, Vec<AcceptOutcome>) {
+    let approve = notification(payment_id, "approved", &["undefined"], T0);
+    let deny = notification(payment_id, "denied", &["undefined"], T0 + 1);
+    let mut other_fingerprint = notification(payment_id, "approved", &["undefined"], T0 + 2);
+    other_fingerprint.dedupe.fingerprint = "fp-2".into();
+    let settle = notification(payment_id, "settled", &["approved"], T0 + 3);
+    let again = notification(payment_id, "approved", &["undefined"], T0 + 4);
+    let outcomes = vec![
+        AcceptOutcome::Accepted,
+        AcceptOutcome::InvalidTransition {
+            from: "approved".into(),
+        },
+        AcceptOutcome::Conflict,
+        AcceptOutcome::Accepted,
+        AcceptOutcome::Replayed {
+            response: approve.dedupe.response.clone(),
+        },
+    ];
+    (
+        vec![approve, deny, other_fingerprint, settle, again],
+        outcomes,
+    )
+}
+
+/// After [`payment_sequence`]: the payment is settled, and of its messages only the two
+/// accepted ones exist.
+async fn check_payment_sequence(s: &dyn Store, payment_id: &str, requests: &[AcceptRequest]) {
+    assert_eq!(
+        s.payment_status(payment_id, T0 + 5)
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("settled")
+    );
+    let listed = list_all(
+        s,
+        ListFilter {
+            ordering_key: Some(payment::ordering_key(payment_id)),
+            limit: 10,
+            ..Default::default()
+        },
+    )
+    .await;
+    let sent: BTreeSet<MessageId> = requests.iter().map(|r| r.message.id.clone()).collect();
+    let recorded: Vec<MessageId> = ids(&listed)
+        .into_iter()
+        .filter(|id| sent.contains(id))
+        .collect();
+    let accepted = vec![
+        requests[0].message.id.clone(),
+        requests[3].message.id.clone(),
+    ];
+    assert_eq!(recorded, accepted);
+}
+
+async fn a_refused_transition_in_a_run_of_accepts_fails_only_itself(h: &Harness) {
+    let s = h.s();
+    let (requests, want) = payment_sequence("p-mid");
+    let mut outcomes = Vec::new();
+    for req in requests.clone() {
+        outcomes.push(s.accept(req, T0).await.unwrap());
+    }
+    assert_eq!(outcomes, want);
+    check_payment_sequence(s, "p-mid", &requests).await;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2183,6 +2325,96 @@ mod redis_only {
         assert_eq!(effect, ResendEffect::Requeued);
         flush();
         assert_eq!(h.s().sweep(T0).await.unwrap(), 0);
+    }
+    /// A store on `server` whose calls give up after `timeout`.
+    async fn connected(server: &RedisServer, timeout: Duration) -> RedisStore {
+        let store = RedisStore::connect(&server.url(), timeout, RETENTION_SECS)
+            .await
+            .expect("connect to the private redis-server")
+            .with_caller_clock_leases();
+        store.upgrade(T0).await.expect("stamp the layout version");
+        store
+    }
+
+    async fn until_answering(store: &RedisStore) {
+        for _ in 0..200 {
+            if store.ping().await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the store never answered again");
+    }
+
+    /// Redis dies with accepts of one partition sent and unanswered: each fails on its own as
+    /// unavailable (503), and none burnt its key: after the restart every event is accepted as
+    /// new, not replayed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn accepts_lost_with_redis_fail_each_and_burn_no_key() {
+        let mut server = RedisServer::start();
+        let store = connected(&server, Duration::from_secs(5)).await;
+        let key = "pay/lost";
+        // Loads the script, so what is sent below is the accepts themselves.
+        accept_new(&store, "pay/lost/warm", T0).await;
+        server.pause();
+        let requests: Vec<AcceptRequest> = (0..8)
+            .map(|i| request(&format!("lost-{i}"), new_message(key, T0 + i)))
+            .collect();
+        let started = start_together(&store, requests.clone(), T0).await;
+        // SIGKILL while stopped: the server never reads what was sent to it.
+        server.stop(true);
+        for outcome in futures::future::join_all(started).await {
+            assert!(
+                matches!(outcome, Err(StoreError::Unavailable(_))),
+                "{outcome:?}"
+            );
+        }
+        server.start_again();
+        until_answering(&store).await;
+        for req in requests {
+            assert_eq!(
+                store.accept(req, T0).await.unwrap(),
+                AcceptOutcome::Accepted
+            );
+        }
+    }
+
+    /// Many accepts at once over every partition: each one acknowledged is on disk (AOF,
+    /// `appendfsync always`) when Redis is killed right after.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_acknowledged_accept_survives_a_crash() {
+        let mut server = RedisServer::start();
+        let store = connected(&server, Duration::from_secs(10)).await;
+        let requests: Vec<AcceptRequest> = (0..400)
+            .map(|i| {
+                request(
+                    &format!("durable-{i}"),
+                    new_message(&format!("pay/durable-{}", i % 97), T0 + i),
+                )
+            })
+            .collect();
+        let outcomes =
+            futures::future::join_all(requests.iter().map(|r| store.accept(r.clone(), T0))).await;
+        for outcome in outcomes {
+            assert_eq!(outcome.unwrap(), AcceptOutcome::Accepted);
+        }
+        let partitions: BTreeSet<u8> = requests.iter().map(|r| r.message.id.partition()).collect();
+        assert_eq!(
+            partitions.len(),
+            usize::from(callbackd::store::ids::PARTITIONS)
+        );
+        server.stop(true);
+        server.start_again();
+        until_answering(&store).await;
+        for req in requests {
+            let id = req.message.id.clone();
+            let response = req.dedupe.response.clone();
+            assert!(store.get(&id).await.unwrap().is_some(), "{id} survived");
+            assert_eq!(
+                store.accept(req, T0).await.unwrap(),
+                AcceptOutcome::Replayed { response }
+            );
+        }
     }
 }
 
