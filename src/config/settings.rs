@@ -11,13 +11,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{AuthConfig, Config, ConfigError, StoreLocation, decode_whsec, invalid};
+use super::{AuthConfig, Config, ConfigError, StoreLocation, invalid};
 use crate::alerts::Alerts;
 use crate::clock::Millis;
 use crate::dispatch::schedule::Backoff;
 use crate::dispatch::ssrf::SsrfGuard;
 use crate::inbound::dedupe::DEFAULT_FIELDS;
-use crate::inbound::signature::Verifier;
+use crate::webhook::{Verifier, decode_whsec};
 
 /// Every component's settings.
 #[derive(Debug, Clone)]
