@@ -97,7 +97,7 @@ pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, Star
 pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, StartError> {
     let settings = Settings::from_config(&config).map_err(|e| StartError::Setup(e.to_string()))?;
     let store = open_store(&settings.store).await?;
-    Ok(Arc::new(App::with_settings(config, settings, store, clock)))
+    Ok(Arc::new(App::with_settings(settings, store, clock)))
 }
 
 /// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) and the
