@@ -16,12 +16,13 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::clock::{Millis, format_iso};
-use crate::config::{ConfigError, decode_whsec};
+use crate::config::ConfigError;
 use crate::digest::short_hash;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
 };
 use crate::trace::{TRACEPARENT, TRACESTATE};
+use crate::webhook::decode_whsec;
 
 /// The event type of a dead-letter alert (its `type` and `X-Callback-Event`).
 pub const DEAD_EVENT: &str = "message.dead";

@@ -6,24 +6,14 @@ use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
-use crate::config::{Config, Settings, Sources};
-use crate::dispatch::ssrf::SsrfGuard;
+use crate::config::{Config, Settings};
 use crate::store::Store;
 
-/// A configured provider account, as the handlers look it up in [`App::sources`].
-pub type Source = crate::config::SourceSettings;
-
 pub struct App {
-    /// The config as loaded, in the file's units.
-    pub config: Config,
-    /// The typed settings derived from `config`, once.
+    /// The typed settings derived from the config, once.
     pub settings: Settings,
     pub store: Arc<dyn Store>,
     pub clock: Arc<dyn Clock>,
-    /// `settings.sources`, shared.
-    pub sources: Sources,
-    /// `settings.dispatch.callback_ssrf`: the guard a `callbackUrl` is checked with at hand-off.
-    pub ssrf: SsrfGuard,
     /// Rung after every accept so an idle dispatcher starts delivering at once.
     pub wake: Arc<Notify>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
@@ -44,21 +34,13 @@ impl App {
         clock: Arc<dyn Clock>,
     ) -> Result<App, String> {
         let settings = Settings::from_config(&config).map_err(|e| e.to_string())?;
-        Ok(App::with_settings(config, settings, store, clock))
+        Ok(App::with_settings(settings, store, clock))
     }
 
-    /// Builds the shared state from settings already derived from `config`.
-    pub fn with_settings(
-        config: Config,
-        settings: Settings,
-        store: Arc<dyn Store>,
-        clock: Arc<dyn Clock>,
-    ) -> App {
+    /// Builds the shared state from settings already derived.
+    pub fn with_settings(settings: Settings, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> App {
         App {
             body_budget: Arc::new(Semaphore::new(settings.server.max_buffered_bytes)),
-            sources: settings.sources.clone(),
-            ssrf: settings.dispatch.callback_ssrf,
-            config,
             settings,
             store,
             clock,

@@ -6,14 +6,13 @@ use std::path::PathBuf;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use clap::Args;
-use hmac::{KeyInit, Mac};
 use serde_json::{Value, json};
 
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, SignatureScheme, decode_whsec};
-use crate::inbound::signature::{
-    PAYZU_HEADER, WEBHOOK_ID, WEBHOOK_SIGNATURE, WEBHOOK_TIMESTAMP, sign_payzu,
-    sign_standard_webhook,
+use crate::config::{Config, SignatureScheme};
+use crate::webhook::{
+    EVENT_HEADER, PAYZU_HEADER, decode_whsec, sign_hmac_sha256, sign_payzu,
+    standard_webhook_headers,
 };
 
 #[derive(Debug, Args)]
@@ -75,12 +74,9 @@ fn sign(config: &Config, source: &str, body: &str, now_secs: i64) -> Result<Head
         SignatureScheme::StandardWebhooks => {
             let key = decode_whsec(secret.ok_or_else(missing)?)?;
             let id = format!("msg_test_{now_secs}_{:08x}", rand::random::<u32>());
-            put(
-                WEBHOOK_SIGNATURE,
-                sign_standard_webhook(&key, &id, now_secs, body.as_bytes()),
-            )?;
-            put(WEBHOOK_ID, id)?;
-            put(WEBHOOK_TIMESTAMP, now_secs.to_string())?;
+            for (name, value) in standard_webhook_headers(&key, &id, now_secs, body.as_bytes()) {
+                put(name, value)?;
+            }
         }
         SignatureScheme::HmacSha256 => {
             let secret = secret.ok_or_else(missing)?;
@@ -88,12 +84,9 @@ fn sign(config: &Config, source: &str, body: &str, now_secs: i64) -> Result<Head
                 .signature_header
                 .clone()
                 .ok_or_else(|| format!("sources.{source}.signature_header is not set"))?;
-            let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes())
-                .map_err(|e| e.to_string())?;
-            mac.update(body.as_bytes());
             put(
                 &header,
-                format!("sha256={}", hex::encode(mac.finalize().into_bytes())),
+                sign_hmac_sha256(secret.as_bytes(), body.as_bytes()),
             )?;
         }
     }
@@ -116,7 +109,7 @@ pub async fn send_test(args: SendTestArgs) -> Result<(), String> {
     );
     if let Some(event) = &args.event {
         let value = HeaderValue::from_str(event).map_err(|e| format!("--event: {e}"))?;
-        headers.insert(crate::dispatch::delivery::EVENT_HEADER, value);
+        headers.insert(EVENT_HEADER, value);
     }
     let base = args.url.unwrap_or_else(|| {
         let listen = config.server.listen;
@@ -229,7 +222,7 @@ pub fn render_table(page: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inbound::signature::Verifier;
+    use crate::webhook::Verifier;
 
     #[test]
     fn table_lines_up_columns_and_names_the_next_page() {

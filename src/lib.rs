@@ -1,10 +1,17 @@
 //! callbackd: makes payment callbacks safe to retry. This file wires the parts together.
 //!
-//! The map (ARCHITECTURE.md has the long version): `http/` holds thin handlers that verify and
-//! parse, `inbound/` and `payment.rs` the pure rules (signatures, dedupe keys, the payment
-//! state machine), `store/` the one seam to storage (SQLite or Redis, each state change one
-//! atomic step with `now` from the caller), `dispatch/` the workers that claim, deliver and
-//! complete, and `alerts.rs`, `metrics.rs`, `trace.rs` what operators watch.
+//! The map (ARCHITECTURE.md has the long version):
+//! - `http/`: thin handlers that authenticate, read, parse and map an outcome to an answer;
+//! - `webhook/`: the header names and the signature schemes, verified and signed;
+//! - `inbound/accept.rs` (a verified callback) and `handoff.rs` (a connector's notification):
+//!   the accept request each becomes, pure; `inbound/dedupe.rs` and `payment.rs` the rules
+//!   they apply;
+//! - `store/`: the one seam to storage, each state change one atomic step with `now` from the
+//!   caller; `store/lifecycle.rs` states the message lifecycle once, in plain Rust, and the
+//!   engines, `store/sqlite/` and `store/redis/`, are held to it;
+//! - `dispatch/`: the workers that claim, deliver and complete;
+//! - `config/`: the file, its checks and the typed settings built from it once;
+//! - `alerts.rs`, `metrics.rs`, `trace.rs`: what operators watch.
 
 pub mod alerts;
 pub mod app;
@@ -97,7 +104,7 @@ pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, Star
 pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, StartError> {
     let settings = Settings::from_config(&config).map_err(|e| StartError::Setup(e.to_string()))?;
     let store = open_store(&settings.store).await?;
-    Ok(Arc::new(App::with_settings(config, settings, store, clock)))
+    Ok(Arc::new(App::with_settings(settings, store, clock)))
 }
 
 /// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) and the

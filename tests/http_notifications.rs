@@ -839,13 +839,10 @@ async fn walk_until(
 
 #[tokio::test]
 async fn retry_after_zero_or_past_is_not_a_hot_loop() {
-    use callbackd::dispatch::schedule::{Backoff, Next, base_delay_ms, next_attempt};
+    use callbackd::dispatch::schedule::{Next, base_delay_ms, next_attempt};
     let redis = RedisServer::start();
     let (server, clock, d) = virtual_server(&redis.url(), |_| {}).await;
-    let backoff = Backoff {
-        initial_ms: server.app.config.dispatch.initial_backoff_ms,
-        max_ms: server.app.config.dispatch.max_backoff_secs * 1000,
-    };
+    let backoff = server.app.settings.dispatch.backoff;
     let span: i64 = 3 * 3_600_000;
     // Attempts in `span` by the pure schedule of a target that sends no Retry-After: jitter 0
     // gives the fewest (every delay its full base), jitter 1 the most (every delay half it).

@@ -5,7 +5,7 @@ use std::io;
 use std::net::SocketAddr;
 
 use callbackd::clock::{Clock, SystemClock};
-use callbackd::inbound::signature::sign_payzu;
+use callbackd::webhook::sign_payzu;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

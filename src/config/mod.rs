@@ -26,7 +26,7 @@ pub use settings::{
     DispatchSettings, ForwardSettings, ServerSettings, Settings, SourceSettings, Sources,
     StoreSettings, deadline, millis,
 };
-pub use sources::{SignatureScheme, SourceConfig, decode_whsec};
+pub use sources::{SignatureScheme, SourceConfig};
 
 /// Environment variable naming the config file when `--config` is not given.
 pub const CONFIG_ENV: &str = "CALLBACKD_CONFIG";

@@ -11,13 +11,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{AuthConfig, Config, ConfigError, StoreLocation, decode_whsec, invalid};
+use super::{AuthConfig, Config, ConfigError, StoreLocation, invalid};
 use crate::alerts::Alerts;
 use crate::clock::Millis;
 use crate::dispatch::schedule::Backoff;
 use crate::dispatch::ssrf::SsrfGuard;
 use crate::inbound::dedupe::DEFAULT_FIELDS;
-use crate::inbound::signature::Verifier;
+use crate::webhook::{Verifier, decode_whsec};
 
 /// Every component's settings.
 #[derive(Debug, Clone)]
@@ -90,9 +90,10 @@ impl DispatchSettings {
     }
 }
 
-/// `now + max_age`, saturating: the one place a delivery window becomes a deadline.
-pub fn deadline(now: Millis, max_age: Duration) -> Millis {
-    now.saturating_add(Millis::try_from(max_age.as_millis()).unwrap_or(Millis::MAX))
+/// `now + span`, saturating: the one place a setting's `Duration` becomes a point in time (a
+/// delivery window's deadline, a signature seal's expiry).
+pub fn deadline(now: Millis, span: Duration) -> Millis {
+    now.saturating_add(Millis::try_from(span.as_millis()).unwrap_or(Millis::MAX))
 }
 
 /// `d` in whole milliseconds, the unit the store's leases and the retry schedule count in.

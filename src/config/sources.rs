@@ -4,11 +4,11 @@
 
 use std::collections::BTreeMap;
 
-use base64::Engine;
 use serde::Deserialize;
 
 use super::validate::Exposure;
 use super::{ConfigError, invalid};
+use crate::webhook::decode_whsec;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -143,17 +143,4 @@ impl SourceConfig {
         }
         Ok(())
     }
-}
-
-/// Decodes a Standard Webhooks secret (`whsec_` + base64). The prefix is optional, as in the
-/// reference libraries. An empty key is refused: anyone could sign with it.
-pub fn decode_whsec(secret: &str) -> Result<Vec<u8>, String> {
-    let b64 = secret.strip_prefix("whsec_").unwrap_or(secret);
-    let key = base64::engine::general_purpose::STANDARD
-        .decode(b64)
-        .map_err(|e| format!("not a whsec_<base64> secret: {e}"))?;
-    if key.is_empty() {
-        return Err("is an empty key: anyone could sign".into());
-    }
-    Ok(key)
 }

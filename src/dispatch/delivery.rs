@@ -11,9 +11,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use super::schedule::{Backoff, Next, next_attempt};
 use super::ssrf::{REFUSED_ADDRESS, is_forbidden};
 use crate::store::{Completion, KEPT_BODY_BYTES, Lease, ReceiverAnswer};
-use crate::webhook::{ATTEMPT_HEADER, MESSAGE_ID_HEADER, standard_webhook_headers};
-// Moved to `webhook`; cli.rs still imports it from here until it switches.
-pub use crate::webhook::EVENT_HEADER;
+use crate::webhook::{ATTEMPT_HEADER, EVENT_HEADER, MESSAGE_ID_HEADER, standard_webhook_headers};
 
 /// Bytes of a response body read before the connection is given back to the pool; the rest
 /// is dropped with the connection. Receivers answer with small bodies; a huge one must not

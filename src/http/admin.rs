@@ -144,9 +144,13 @@ impl Selection {
             .map(|t| {
                 let source = match &self.source {
                     Some(s) => s.clone(),
-                    None if app.sources.len() == 1 => {
-                        app.sources.keys().next().cloned().unwrap_or_default()
-                    }
+                    None if app.settings.sources.len() == 1 => app
+                        .settings
+                        .sources
+                        .keys()
+                        .next()
+                        .cloned()
+                        .unwrap_or_default(),
                     None => {
                         return Err(bad(
                             "`transactionId` needs `source` when several sources are configured",
@@ -433,7 +437,8 @@ async fn run_resend(
         let _ = answer.send(walked.map(|_| (body, false)));
         return;
     };
-    let ttl = app.config.store.dedupe_ttl_secs;
+    // The store counts retention in whole seconds.
+    let ttl = app.settings.store.dedupe_ttl.as_secs();
     match app
         .store
         .finish_operation(&op.key, &op.fingerprint, &body, ttl)

@@ -31,7 +31,7 @@ pub fn require(app: &App, headers: &HeaderMap, role: Role) -> Result<(), ApiErro
         ))?
         .trim()
         .as_bytes();
-    let auth = &app.config.auth;
+    let auth = &app.settings.auth;
     let (mine, theirs) = match role {
         Role::Connector => (&auth.connector_tokens, &auth.admin_tokens),
         Role::Admin => (&auth.admin_tokens, &auth.connector_tokens),

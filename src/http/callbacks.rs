@@ -60,7 +60,7 @@ pub async fn receive(
     let source_name = path_segment(path)?;
     let result = accept(&app, &source_name, &headers, body).await;
     // Unknown names are not labels: a scanner must not be able to grow the metric set.
-    let source = if app.sources.contains_key(&source_name) {
+    let source = if app.settings.sources.contains_key(&source_name) {
         source_name
     } else {
         "unknown".to_string()
@@ -75,6 +75,7 @@ async fn accept(
     body: Body,
 ) -> Result<Recorded, ApiError> {
     let source = app
+        .settings
         .sources
         .get(source_name)
         .ok_or_else(|| ApiError::UnknownSource(source_name.to_string()))?;

@@ -57,7 +57,7 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     let up = depth.is_ok() && oldest.is_ok();
     metrics::gauge!(m::STORE_UP).set(if up { 1.0 } else { 0.0 });
     metrics::gauge!(m::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-    let held = app.config.server.max_buffered_bytes - app.body_budget.available_permits();
+    let held = app.settings.server.max_buffered_bytes - app.body_budget.available_permits();
     metrics::gauge!(m::BUFFERED_BYTES).set(held as f64);
     let mut response = app.metrics.render().into_response();
     response.headers_mut().insert(

@@ -195,7 +195,7 @@ pub async fn read_body(
     body: Body,
     headers: &HeaderMap,
 ) -> Result<BufferedBody, ApiError> {
-    let limit = app.config.server.max_body_bytes;
+    let limit = app.settings.server.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -205,13 +205,10 @@ pub async fn read_body(
     }
     // Bounded by `limit` just above.
     let declared = declared.map_or(0, |len| len as usize);
-    let timeout_secs = app.config.server.request_timeout_secs;
-    tokio::time::timeout(
-        Duration::from_secs(timeout_secs),
-        collect(&app.body_budget, body, limit, declared),
-    )
-    .await
-    .map_err(|_| ApiError::RequestTimeout(timeout_secs))?
+    let timeout = app.settings.server.request_timeout;
+    tokio::time::timeout(timeout, collect(&app.body_budget, body, limit, declared))
+        .await
+        .map_err(|_| ApiError::RequestTimeout(timeout.as_secs()))?
 }
 
 async fn collect(

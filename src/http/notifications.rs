@@ -172,7 +172,9 @@ async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus,
             format!("`{}` is not one of {}", req.status, valid.join(", ")),
         )
     })?;
-    app.ssrf
+    app.settings
+        .dispatch
+        .callback_ssrf
         .check_url(&req.callback_url, Duration::from_secs(2))
         .await
         .map_err(|e| {
@@ -206,15 +208,14 @@ async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus,
             })?;
         }
     }
+    // `maxAgeSecs` counts in whole seconds, as `dispatch.max_age_secs` does.
+    let most = app.settings.dispatch.max_age.as_secs();
     if let Some(max_age) = req.max_age_secs
-        && (max_age == 0 || max_age > app.config.dispatch.max_age_secs)
+        && (max_age == 0 || max_age > most)
     {
         return Err(field_error(
             "maxAgeSecs",
-            format!(
-                "must be 1 to {} (dispatch.max_age_secs)",
-                app.config.dispatch.max_age_secs
-            ),
+            format!("must be 1 to {most} (dispatch.max_age_secs)"),
         ));
     }
     Ok(to)

@@ -119,7 +119,7 @@ pub fn accept_request(
 fn seal(source: &str, verified: &Verified, now: Millis, dedupe_ttl: Duration) -> SignatureSeal {
     let expires_at = match verified.valid_until_secs {
         Some(secs) => secs.saturating_add(1).saturating_mul(1000).max(now + 1),
-        None => now.saturating_add(i64::try_from(dedupe_ttl.as_millis()).unwrap_or(i64::MAX)),
+        None => deadline(now, dedupe_ttl),
     };
     let scoped = serde_json::json!([source, hex::encode(&verified.signature)]);
     SignatureSeal {

@@ -2,15 +2,7 @@
 //! signing, and the header names) live in `webhook`, which knows nothing of the config.
 
 use crate::config::{SignatureScheme, SourceConfig};
-use crate::webhook::decode_whsec;
-
-pub use crate::webhook::Verifier;
-// Moved to `webhook`; still imported from here by cli.rs and benches/load/client.rs until
-// they switch.
-pub use crate::webhook::{
-    PAYZU_HEADER, WEBHOOK_ID, WEBHOOK_SIGNATURE, WEBHOOK_TIMESTAMP, sign_payzu,
-    sign_standard_webhook,
-};
+use crate::webhook::{Verifier, decode_whsec};
 
 impl Verifier {
     /// Builds the verifier of a validated source config.
