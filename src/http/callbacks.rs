@@ -113,15 +113,11 @@ async fn accept(
 }
 
 fn event_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let Some(value) = headers.get(EVENT_HEADER) else {
-        return Ok(None);
-    };
-    super::header_text(value, MAX_EVENT_LEN)
-        .map(|e| Some(e.to_string()))
-        .ok_or_else(|| {
-            ApiError::bad_request(
-                ErrorCode::InvalidEventHeader,
-                format!("X-Callback-Event must be 1 to {MAX_EVENT_LEN} visible ASCII characters"),
-            )
-        })
+    super::optional_header(
+        headers,
+        EVENT_HEADER,
+        "X-Callback-Event",
+        MAX_EVENT_LEN,
+        ErrorCode::InvalidEventHeader,
+    )
 }

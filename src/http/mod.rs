@@ -252,6 +252,28 @@ pub fn header_text(value: &HeaderValue, max: usize) -> Option<&str> {
     (visible && !text.is_empty() && text.len() <= max).then_some(text)
 }
 
+/// An optional header that, when present, must be [`header_text`] of at most `max` bytes; a
+/// malformed one is a 400 with `code`, naming the header as `shown`.
+pub fn optional_header(
+    headers: &HeaderMap,
+    name: &str,
+    shown: &str,
+    max: usize,
+    code: ErrorCode,
+) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get(name) else {
+        return Ok(None);
+    };
+    header_text(value, max)
+        .map(|text| Some(text.to_string()))
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                code,
+                format!("{shown} must be 1 to {max} visible ASCII characters"),
+            )
+        })
+}
+
 /// Maps axum's path extraction failure (e.g. a segment that is not UTF-8) to our JSON error.
 pub fn path_segment(
     path: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,

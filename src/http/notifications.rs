@@ -222,15 +222,11 @@ async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus,
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let Some(value) = headers.get("idempotency-key") else {
-        return Ok(None);
-    };
-    super::header_text(value, MAX_ID_LEN)
-        .map(|k| Some(k.to_string()))
-        .ok_or_else(|| {
-            ApiError::bad_request(
-                ErrorCode::InvalidRequest,
-                format!("Idempotency-Key must be 1 to {MAX_ID_LEN} visible ASCII characters"),
-            )
-        })
+    super::optional_header(
+        headers,
+        "idempotency-key",
+        "Idempotency-Key",
+        MAX_ID_LEN,
+        ErrorCode::InvalidRequest,
+    )
 }
