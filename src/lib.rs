@@ -74,7 +74,7 @@ pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, Star
             Ok(Arc::new(SqliteStore::open_with(path, retention, options)?))
         }
         StoreLocation::Redis(url) => {
-            let store = RedisStore::connect(url, settings.timeout, retention)
+            let store = RedisStore::connect_with(url, settings.timeout, retention, &settings.redis)
                 .await?
                 .with_payment_retention_secs(payment_retention);
             // Judged before the upgrade writes anything to a Redis that may be refused.

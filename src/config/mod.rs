@@ -119,6 +119,14 @@ pub struct StoreConfig {
     pub require_durable: bool,
     /// Timeout of every store round trip; past it the request gets a 503, never a hang.
     pub timeout_ms: u64,
+    /// Redis only: the start of every key name, so deployments sharing one Redis stay apart.
+    pub key_prefix: String,
+    /// Redis only (`rediss://`): PEM file of the CA that signed the server's certificate.
+    pub tls_ca_file: Option<PathBuf>,
+    /// Redis only: PEM certificate chain for a server that authenticates clients.
+    pub tls_cert_file: Option<PathBuf>,
+    /// Redis only: PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for StoreConfig {
@@ -130,6 +138,10 @@ impl Default for StoreConfig {
             sweep_interval_secs: 30,
             require_durable: false,
             timeout_ms: 5_000,
+            key_prefix: crate::store::redis::DEFAULT_KEY_PREFIX.into(),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::clock::Millis;
 use crate::dispatch::schedule::Backoff;
 use crate::dispatch::ssrf::SsrfGuard;
 use crate::inbound::dedupe::DEFAULT_FIELDS;
+use crate::store::redis::RedisOptions;
 use crate::webhook::{Verifier, decode_whsec};
 
 /// Every component's settings.
@@ -64,6 +65,8 @@ pub struct StoreSettings {
     /// Timeout of every store round trip.
     pub timeout: Duration,
     pub require_durable: bool,
+    /// Key prefix and TLS certificates, used when `location` is Redis.
+    pub redis: RedisOptions,
 }
 
 /// `[dispatch]`.
@@ -158,6 +161,7 @@ impl Settings {
             sweep_interval: Duration::from_secs(store.sweep_interval_secs),
             timeout: Duration::from_millis(store.timeout_ms),
             require_durable: store.require_durable,
+            redis: config.redis_options()?,
         };
         let dispatch = DispatchSettings {
             enabled: dispatch.enabled,

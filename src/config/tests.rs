@@ -407,3 +407,64 @@ fn deadlines_saturate() {
     assert_eq!(deadline(5, Duration::from_secs(u64::MAX)), Millis::MAX);
     assert_eq!(millis(Duration::from_secs(u64::MAX)), u64::MAX);
 }
+
+/// The invalid key and message of a config that must be refused.
+fn refusal(text: &str) -> (String, String) {
+    match load(text, &[]) {
+        Err(ConfigError::Invalid { key, message }) => (key, message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn key_prefix_defaults_to_the_layout_names_and_refuses_what_would_break_them() {
+    let c = load("", &[]).unwrap();
+    assert_eq!(c.store.key_prefix, "cb");
+    assert_eq!(c.redis_options().unwrap().key_prefix, "cb");
+    let c = load("[store]\nkey_prefix = \"tenant-b.eu_1\"\n", &[]).unwrap();
+    assert_eq!(c.redis_options().unwrap().key_prefix, "tenant-b.eu_1");
+    for bad in ["", "a:b", "{p}", "a b", "cb*", &"x".repeat(65)] {
+        let (key, message) = refusal(&format!("[store]\nkey_prefix = \"{bad}\"\n"));
+        assert_eq!(key, "store.key_prefix", "{bad:?}: {message}");
+    }
+}
+
+#[test]
+fn tls_files_are_checked_by_their_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing-ca.pem");
+    let (key, message) = refusal(&format!(
+        "[store]\nurl = \"rediss://127.0.0.1:6380/0\"\ntls_ca_file = \"{}\"\n",
+        missing.display()
+    ));
+    assert_eq!(key, "store.tls_ca_file");
+    assert!(message.contains("missing-ca.pem"), "{message}");
+
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate").unwrap();
+    let (key, message) = refusal(&format!(
+        "[store]\nurl = \"rediss://127.0.0.1:6380/0\"\ntls_ca_file = \"{}\"\n",
+        garbage.display()
+    ));
+    assert_eq!(key, "store.tls_ca_file");
+    assert!(message.contains("garbage.pem"), "{message}");
+
+    let (key, _) = refusal(&format!(
+        "[store]\nurl = \"redis://127.0.0.1:6379/0\"\ntls_ca_file = \"{}\"\n",
+        garbage.display()
+    ));
+    assert_eq!(key, "store.tls_ca_file", "TLS files need a rediss:// URL");
+
+    let (key, _) = refusal(&format!(
+        "[store]\nurl = \"rediss://127.0.0.1:6380/0\"\ntls_cert_file = \"{}\"\n",
+        garbage.display()
+    ));
+    assert_eq!(key, "store.tls_key_file", "a certificate needs its key");
+}
+
+#[test]
+fn a_refused_store_url_does_not_echo_its_password() {
+    let (key, message) = refusal("[store]\nurl = \"redis:/user:hunter2-pw@127.0.0.1:6379\"\n");
+    assert_eq!(key, "store.url");
+    assert!(!message.contains("hunter2-pw"), "{message}");
+}

@@ -3,11 +3,15 @@
 //! `server.listen` ([`Exposure`]).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use super::{
     Config, ConfigError, LEASE_MARGIN_MS, MAX_SWEEP_INTERVAL_SECS, StoreLocation, invalid,
 };
+use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls, key_prefix_problem};
 
 /// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
 /// 128 bits, which nobody guesses.
@@ -57,6 +61,7 @@ impl Exposure {
 impl Config {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         self.store_location()?;
+        self.redis_options()?;
         if let Some(alerts) = &self.alerts {
             alerts.validate()?;
         }
@@ -178,6 +183,95 @@ impl Config {
     pub fn store_location(&self) -> Result<StoreLocation, ConfigError> {
         parse_store_url(&self.store.url)
     }
+
+    /// `store.key_prefix` and `store.tls_*`, with the PEM files read and parsed, so a missing
+    /// or unreadable file stops the start naming its key and path.
+    pub fn redis_options(&self) -> Result<RedisOptions, ConfigError> {
+        let store = &self.store;
+        if let Some(problem) = key_prefix_problem(&store.key_prefix) {
+            return Err(invalid(
+                "store.key_prefix",
+                format!("`{}` {problem}", store.key_prefix),
+            ));
+        }
+        let tls_keys = [
+            ("store.tls_ca_file", &store.tls_ca_file),
+            ("store.tls_cert_file", &store.tls_cert_file),
+            ("store.tls_key_file", &store.tls_key_file),
+        ];
+        if let Some((key, _)) = tls_keys.iter().find(|(_, file)| file.is_some())
+            && !store.url.starts_with("rediss://")
+        {
+            return Err(invalid(
+                *key,
+                "applies only to a TLS Redis: store.url must start with rediss://",
+            ));
+        }
+        let client = match (&store.tls_cert_file, &store.tls_key_file) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => {
+                let cert_pem = read_pem("store.tls_cert_file", cert)?;
+                if CertificateDer::pem_slice_iter(&cert_pem).next().is_none() {
+                    return Err(pem_error(
+                        "store.tls_cert_file",
+                        cert,
+                        "holds no certificate",
+                    ));
+                }
+                let key_pem = read_pem("store.tls_key_file", key)?;
+                PrivateKeyDer::from_pem_slice(&key_pem)
+                    .map_err(|e| pem_error("store.tls_key_file", key, e))?;
+                Some(ClientIdentity { cert_pem, key_pem })
+            }
+            (Some(_), None) => {
+                return Err(invalid(
+                    "store.tls_key_file",
+                    "is required with store.tls_cert_file",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "store.tls_cert_file",
+                    "is required with store.tls_key_file",
+                ));
+            }
+        };
+        let tls = match &store.tls_ca_file {
+            Some(ca) => {
+                let ca_pem = read_pem("store.tls_ca_file", ca)?;
+                let mut certs = CertificateDer::pem_slice_iter(&ca_pem).peekable();
+                if certs.peek().is_none() {
+                    return Err(pem_error("store.tls_ca_file", ca, "holds no certificate"));
+                }
+                for cert in certs {
+                    cert.map_err(|e| pem_error("store.tls_ca_file", ca, e))?;
+                }
+                Some(RedisTls { ca_pem, client })
+            }
+            None if client.is_some() => {
+                return Err(invalid(
+                    "store.tls_ca_file",
+                    "is required with store.tls_cert_file and store.tls_key_file",
+                ));
+            }
+            None => None,
+        };
+        Ok(RedisOptions {
+            key_prefix: store.key_prefix.clone(),
+            tls,
+        })
+    }
+}
+
+fn read_pem(key: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|e| pem_error(key, path, e))
+}
+
+fn pem_error(key: &str, path: &Path, why: impl std::fmt::Display) -> ConfigError {
+    invalid(
+        key,
+        format!("cannot read PEM from {}: {why}", path.display()),
+    )
 }
 
 fn parse_store_url(url: &str) -> Result<StoreLocation, ConfigError> {
@@ -191,7 +285,10 @@ fn parse_store_url(url: &str) -> Result<StoreLocation, ConfigError> {
     } else {
         Err(invalid(
             "store.url",
-            format!("`{url}` is neither sqlite://PATH nor redis://HOST:PORT/DB"),
+            format!(
+                "`{}` is neither sqlite://PATH nor redis://HOST:PORT/DB",
+                crate::store::redis::redacted_url(url)
+            ),
         ))
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use redis::{Cmd, Script, Value};
 
-use super::keys::{self, Keys};
+use super::keys;
 use super::{RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
 use crate::clock::Millis;
 use crate::store::{
@@ -51,7 +51,7 @@ pub(super) async fn accept(
     now: Millis,
 ) -> Result<AcceptOutcome, StoreError> {
     let msg = &req.message;
-    let keys = Keys::of_id(&msg.id);
+    let keys = store.keys.of_id(&msg.id);
     let initial = if msg.target_url.is_some() {
         MessageState::Pending
     } else {
@@ -137,7 +137,7 @@ pub(super) async fn claim(
     // One call per partition with a share, all in one round trip.
     let script = &store.scripts.claim;
     let mut pipe = redis::pipe();
-    for (keys, quota) in Keys::all().zip(quotas) {
+    for (keys, quota) in store.keys.all().zip(quotas) {
         if quota == 0 {
             continue;
         }
@@ -174,7 +174,7 @@ async fn claimable_per_partition(
         now
     };
     let mut pipe = redis::pipe();
-    for keys in Keys::all() {
+    for keys in store.keys.all() {
         pipe.zcount(keys.due(), "-inf", now)
             .zcount(keys.lease(), "-inf", lease_now);
     }
@@ -227,7 +227,7 @@ pub(super) async fn complete(
     now: Millis,
 ) -> Result<bool, StoreError> {
     let id = &claimed.message.id;
-    let keys = Keys::of_id(id);
+    let keys = store.keys.of_id(id);
     let (outcome, next_at, final_state) = match completion {
         Completion::Delivered => ("delivered", now, MessageState::Delivered),
         Completion::Retry { next_at } => ("retry", next_at, MessageState::Dead),
@@ -265,7 +265,7 @@ pub(super) async fn release(
     next_at: Millis,
 ) -> Result<bool, StoreError> {
     let id = &claimed.message.id;
-    let keys = Keys::of_id(id);
+    let keys = store.keys.of_id(id);
     let script = &store.scripts.release;
     let mut call = script_call(
         script,
@@ -298,7 +298,7 @@ pub(super) async fn resend(
     let Some(ordering_key) = reads::ordering_key_of(store, id).await? else {
         return Ok(ResendEffect::Skipped);
     };
-    let keys = Keys::of_id(id);
+    let keys = store.keys.of_id(id);
     let script = &store.scripts.resend;
     let mut call = script_call(
         script,
@@ -334,7 +334,7 @@ pub(super) async fn reserve_operation(
     fingerprint: &str,
     ttl_secs: u64,
 ) -> Result<OperationReservation, StoreError> {
-    let key = keys::operation(key);
+    let key = store.keys.operation(key);
     let mut reserve = redis::cmd("SET");
     reserve
         .arg(&key)
@@ -362,7 +362,7 @@ pub(super) async fn finish_operation(
 ) -> Result<(), StoreError> {
     store
         .send(&Cmd::set_ex(
-            keys::operation(key),
+            store.keys.operation(key),
             encode_finished_operation(fingerprint, response),
             ttl_secs,
         ))
@@ -372,7 +372,7 @@ pub(super) async fn finish_operation(
 pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, StoreError> {
     let script = &store.scripts.sweep;
     let mut pipe = redis::pipe();
-    for keys in Keys::all() {
+    for keys in store.keys.all() {
         let mut call = script_call(
             script,
             &[

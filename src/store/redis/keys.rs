@@ -3,6 +3,9 @@
 //! Ready for Redis Cluster: every key of a message lives under the hash tag of its partition,
 //! `cb:{pNN}:`, derived from the ordering key, so each script touches one slot.
 //!
+//! `cb` is the default of `store.key_prefix` ([`KeySpace`]): every name below starts with the
+//! configured prefix instead, so deployments sharing one Redis never see each other's keys.
+//!
 //! | key | type | holds |
 //! |---|---|---|
 //! | `d:<hash>` | string | dedupe claim: fingerprint `\n` stored response, `dedupe_ttl_secs` |
@@ -32,7 +35,8 @@
 //! | `hn` | history rows ever recorded, kept or dropped |
 //!
 //! Outside the partitions: `cb:schema` (the layout version), `cb:upgrading` (the upgrade
-//! lock) and `cb:op:<hash>` (resend operations, which belong to no message).
+//! lock) and `cb:op:<hash>` (resend operations, which belong to no message), all under the
+//! configured prefix too.
 //!
 //! The scripts build some names themselves from the partition prefix (`m:`, `a:` and `ix:k:`
 //! in claim.lua and sweep.lua, the `m:<id>` expiry members in accept, complete and resend), and
@@ -48,39 +52,77 @@ use crate::store::{MessageId, MessageState};
 /// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history.
 pub const SCHEMA_VERSION: u32 = 2;
 
-/// Holds the layout version of the store.
-pub(super) const SCHEMA_KEY: &str = "cb:schema";
-
-/// Held by the one process upgrading an older layout.
-pub(super) const UPGRADE_LOCK_KEY: &str = "cb:upgrading";
+/// The prefix of every key when `store.key_prefix` is not set: the names of every layout
+/// before the prefix was configurable, so the default moves nothing.
+pub const DEFAULT_KEY_PREFIX: &str = "cb";
 
 /// Hash of an ordering key in key names and in the `kh` field.
 pub(super) fn key_hash(ordering_key: &str) -> String {
     short_hash(ordering_key.as_bytes())
 }
 
-/// The record of a resend operation.
-pub(super) fn operation(key: &str) -> String {
-    format!("cb:op:{}", short_hash(key.as_bytes()))
+/// Why a `store.key_prefix` is refused, `None` when it is usable. Letters, digits, `_`, `-`
+/// and `.` only: `{` and `}` would move the hash tag, `:` would make one prefix the start of
+/// another's names, and glob characters would widen the upgrade's SCAN patterns.
+pub fn key_prefix_problem(prefix: &str) -> Option<&'static str> {
+    if prefix.is_empty() {
+        Some("must not be empty")
+    } else if prefix.len() > 64 {
+        Some("must be at most 64 characters")
+    } else if !prefix
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+    {
+        Some("may hold only ASCII letters, digits, '_', '-' and '.'")
+    } else {
+        None
+    }
+}
+
+/// Every key name of one deployment: all start with its prefix.
+#[derive(Debug, Clone)]
+pub(super) struct KeySpace(String);
+
+impl KeySpace {
+    /// Takes a prefix [`key_prefix_problem`] accepted.
+    pub(super) fn new(prefix: &str) -> KeySpace {
+        KeySpace(prefix.to_string())
+    }
+    /// Holds the layout version of the store.
+    pub(super) fn schema(&self) -> String {
+        format!("{}:schema", self.0)
+    }
+    /// Held by the one process upgrading an older layout.
+    pub(super) fn upgrade_lock(&self) -> String {
+        format!("{}:upgrading", self.0)
+    }
+    /// SCAN pattern of every partition key of every layout.
+    pub(super) fn partition_pattern(&self) -> String {
+        format!("{}:{{p*}}:*", self.0)
+    }
+    /// The record of a resend operation.
+    pub(super) fn operation(&self, key: &str) -> String {
+        format!("{}:op:{}", self.0, short_hash(key.as_bytes()))
+    }
+    pub(super) fn of_partition(&self, partition: u8) -> Keys {
+        Keys(format!("{}:{{p{partition:02}}}:", self.0))
+    }
+    /// Every partition, in order.
+    pub(super) fn all(&self) -> impl Iterator<Item = Keys> + '_ {
+        (0..PARTITIONS).map(|p| self.of_partition(p))
+    }
+    pub(super) fn of_id(&self, id: &MessageId) -> Keys {
+        self.of_partition(id.partition())
+    }
+    pub(super) fn of_ordering_key(&self, ordering_key: &str) -> Keys {
+        self.of_partition(partition_of(ordering_key))
+    }
 }
 
 /// Key names of one partition.
 pub(super) struct Keys(String);
 
 impl Keys {
-    pub(super) fn of_partition(partition: u8) -> Keys {
-        Keys(format!("cb:{{p{partition:02}}}:"))
-    }
-    /// Every partition, in order.
-    pub(super) fn all() -> impl Iterator<Item = Keys> {
-        (0..PARTITIONS).map(Keys::of_partition)
-    }
-    pub(super) fn of_id(id: &MessageId) -> Keys {
-        Keys::of_partition(id.partition())
-    }
-    pub(super) fn of_ordering_key(ordering_key: &str) -> Keys {
-        Keys::of_partition(partition_of(ordering_key))
-    }
     pub(super) fn prefix(&self) -> &str {
         &self.0
     }

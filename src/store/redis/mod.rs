@@ -17,7 +17,7 @@
 //! - **Lifetimes by the caller's clock.** A key whose expiry-index score is past `now` counts as
 //!   gone, and [`Store::sweep`] deletes it (a finished message with its history and index
 //!   entries). Redis TTLs on the string keys bound memory even without a sweeper.
-//! - **A versioned layout.** The version is in `cb:schema`; [`RedisStore::upgrade`] brings an
+//! - **A versioned layout.** The version is in `cb:schema` (`cb` being `store.key_prefix`); [`RedisStore::upgrade`] brings an
 //!   older layout up to date in place (`upgrade.rs`).
 //!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
@@ -45,8 +45,66 @@ use super::{
 };
 use crate::clock::Millis;
 use commands::Scripts;
+use keys::KeySpace;
 
-pub use keys::SCHEMA_VERSION;
+pub use keys::{DEFAULT_KEY_PREFIX, SCHEMA_VERSION, key_prefix_problem};
+
+/// How to reach Redis beyond its URL, and where in it this deployment's keys live.
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    /// The start of every key name (`store.key_prefix`), already checked by
+    /// [`key_prefix_problem`].
+    pub key_prefix: String,
+    /// Certificates for a `rediss://` URL; without them the system's roots are trusted.
+    pub tls: Option<RedisTls>,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            key_prefix: DEFAULT_KEY_PREFIX.to_string(),
+            tls: None,
+        }
+    }
+}
+
+/// PEM contents for TLS (`store.tls_*`), read and parsed when the config is loaded so that a
+/// bad file is reported by its key, not at the first connection.
+#[derive(Clone)]
+pub struct RedisTls {
+    /// The CA certificates the server's certificate must chain to.
+    pub ca_pem: Vec<u8>,
+    /// Certificate chain and private key presented to a server that authenticates clients.
+    pub client: Option<ClientIdentity>,
+}
+
+#[derive(Clone)]
+pub struct ClientIdentity {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+/// Never prints the private key, so settings can be debug-printed.
+impl std::fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisTls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field("client_identity", &self.client.is_some())
+            .finish()
+    }
+}
+
+/// `url` with its user and password replaced, for messages and logs: an ACL password in
+/// `store.url` must never reach either.
+pub fn redacted_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparsable URL>".to_string();
+    };
+    match rest.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}"),
+        None => url.to_string(),
+    }
+}
 
 /// The server settings that decide whether an acknowledged write survives, as `CONFIG GET`
 /// reported them at start-up; `None` where the server did not say.
@@ -60,6 +118,8 @@ pub struct DurabilitySettings {
 pub struct RedisStore {
     conn: ConnectionManager,
     scripts: Scripts,
+    /// The names of this deployment's keys.
+    keys: KeySpace,
     /// How long finished messages, their history and dedupe claims are kept.
     retention_secs: u64,
     /// How long a payment's status outlives its last transition.
@@ -79,7 +139,30 @@ impl RedisStore {
         timeout: Duration,
         retention_secs: u64,
     ) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(url).map_err(unavailable)?;
+        RedisStore::connect_with(url, timeout, retention_secs, &RedisOptions::default()).await
+    }
+
+    /// [`RedisStore::connect`] with a key prefix and TLS certificates.
+    pub async fn connect_with(
+        url: &str,
+        timeout: Duration,
+        retention_secs: u64,
+        options: &RedisOptions,
+    ) -> Result<RedisStore, StoreError> {
+        let client = match &options.tls {
+            None => redis::Client::open(url),
+            Some(tls) => redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates {
+                    client_tls: tls.client.as_ref().map(|c| redis::ClientTlsConfig {
+                        client_cert: c.cert_pem.clone(),
+                        client_key: c.key_pem.clone(),
+                    }),
+                    root_cert: Some(tls.ca_pem.clone()),
+                },
+            ),
+        }
+        .map_err(unavailable)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
@@ -89,12 +172,16 @@ impl RedisStore {
             tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
                 .await
                 .map_err(|_| {
-                    StoreError::Unavailable(format!("no answer from {url} within {timeout:?}"))
+                    StoreError::Unavailable(format!(
+                        "no answer from {} within {timeout:?}",
+                        redacted_url(url)
+                    ))
                 })?
                 .map_err(unavailable)?;
         Ok(RedisStore {
             conn,
             scripts: Scripts::new(),
+            keys: KeySpace::new(&options.key_prefix),
             retention_secs,
             payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
             store_clock_leases: true,

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 
 use redis::{Cmd, Value};
 
-use super::keys::Keys;
 use super::{RedisStore, corrupt, decode, decode_message, field};
 use crate::clock::Millis;
 use crate::store::{
@@ -86,8 +85,12 @@ async fn scan_ids(
         None => "+".to_string(),
     };
     let indexes: Vec<String> = match &filter.ordering_key {
-        Some(k) => vec![Keys::of_ordering_key(k).index_of_key(k)],
-        None => Keys::all().map(|keys| keys.index(filter.state)).collect(),
+        Some(k) => vec![store.keys.of_ordering_key(k).index_of_key(k)],
+        None => store
+            .keys
+            .all()
+            .map(|keys| keys.index(filter.state))
+            .collect(),
     };
     let mut pipe = redis::pipe();
     for index in &indexes {
@@ -123,7 +126,7 @@ async fn records(
     }
     let mut pipe = redis::pipe();
     for id in ids {
-        let keys = Keys::of_id(id);
+        let keys = store.keys.of_id(id);
         pipe.hgetall(keys.message(id))
             .zscore(keys.due(), id.as_str());
         if with_history {
@@ -189,7 +192,7 @@ pub(super) async fn ordering_key_of(
     id: &MessageId,
 ) -> Result<Option<String>, StoreError> {
     let rec: Option<String> = store
-        .send(&Cmd::hget(Keys::of_id(id).message(id), "rec"))
+        .send(&Cmd::hget(store.keys.of_id(id).message(id), "rec"))
         .await?;
     rec.map(|r| decode_message(&r).map(|m| m.ordering_key))
         .transpose()
@@ -200,7 +203,9 @@ pub(super) async fn payment_status(
     payment_id: &str,
     now: Millis,
 ) -> Result<Option<String>, StoreError> {
-    let keys = Keys::of_ordering_key(&crate::payment::ordering_key(payment_id));
+    let keys = store
+        .keys
+        .of_ordering_key(&crate::payment::ordering_key(payment_id));
     let key = keys.payment(payment_id);
     let mut pipe = redis::pipe();
     pipe.get(&key).zscore(keys.expiry(), keys.member(&key));
@@ -215,7 +220,7 @@ pub(super) async fn depth(store: &RedisStore) -> Result<QueueDepth, StoreError> 
         MessageState::Dead,
     ];
     let mut pipe = redis::pipe();
-    for keys in Keys::all() {
+    for keys in store.keys.all() {
         for state in COUNTED {
             pipe.zcard(keys.index(Some(state)));
         }
@@ -234,7 +239,7 @@ pub(super) async fn oldest_unfinished(store: &RedisStore) -> Result<Option<Messa
     // Ids sort by creation time and the state indexes are lexical: the first member of
     // each is its oldest.
     let mut pipe = redis::pipe();
-    for keys in Keys::all() {
+    for keys in store.keys.all() {
         for state in [MessageState::Pending, MessageState::InFlight] {
             pipe.zrange(keys.index(Some(state)), 0, 0);
         }

@@ -13,7 +13,9 @@
 //! key is written last. Old processes must be stopped first: they would keep writing v1.
 //!
 //! The version-1 and version-2 key names are spelled here rather than taken from `keys.rs`:
-//! those layouts are fixed, whatever the current one becomes.
+//! those layouts are fixed, whatever the current one becomes. Only their prefix comes from
+//! there (`store.key_prefix`, `cb` before it was configurable): a store under another prefix
+//! is upgraded under it, and never mistakes a neighbour's keys for its own old layout.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -21,7 +23,7 @@ use std::time::Duration;
 use redis::{Cmd, Value};
 
 use super::RedisStore;
-use super::keys::{SCHEMA_KEY, SCHEMA_VERSION, UPGRADE_LOCK_KEY};
+use super::keys::SCHEMA_VERSION;
 use crate::clock::Millis;
 use crate::digest::short_hash;
 use crate::store::{HISTORY_TAIL, MessageId, MessageState, NewMessage, StoreError};
@@ -32,15 +34,13 @@ const PAGE: usize = 500;
 /// How long the upgrade lock is held: the longest a process waits for another's upgrade.
 const UPGRADE_LOCK_MS: u64 = 600_000;
 
-/// Every partition key of every layout.
-const PARTITION_KEYS: &str = "cb:{p*}:*";
-
 impl RedisStore {
     /// Brings the store to [`SCHEMA_VERSION`] and returns the version it found. A new store
     /// is stamped; a version-1 store (no version key, but data) is upgraded in place; a
     /// store newer than this binary is refused.
     pub async fn upgrade(&self, now: Millis) -> Result<u32, StoreError> {
-        let found: Option<u32> = self.send(&Cmd::get(SCHEMA_KEY)).await?;
+        let schema_key = self.keys.schema();
+        let found: Option<u32> = self.send(&Cmd::get(&schema_key)).await?;
         let found = match found {
             Some(v) => v,
             None if self.has_data().await.map_err(during_upgrade)? => 1,
@@ -48,14 +48,14 @@ impl RedisStore {
         };
         if found > SCHEMA_VERSION {
             return Err(StoreError::Unavailable(format!(
-                "the Redis store has layout version {found} ({SCHEMA_KEY}), newer than this \
+                "the Redis store has layout version {found} ({schema_key}), newer than this \
                  callbackd understands ({SCHEMA_VERSION}); run a newer callbackd"
             )));
         }
         if found == SCHEMA_VERSION {
             // A new store is stamped; stamping an up-to-date one again changes nothing.
             return self
-                .send(&Cmd::set(SCHEMA_KEY, SCHEMA_VERSION))
+                .send(&Cmd::set(&schema_key, SCHEMA_VERSION))
                 .await
                 .map(|()| found);
         }
@@ -63,7 +63,7 @@ impl RedisStore {
         // nothing is written in the new layout while an old-layout read is in flight.
         let token = MessageId::generate(now, "upgrade").to_string();
         let mut lock = redis::cmd("SET");
-        lock.arg(UPGRADE_LOCK_KEY)
+        lock.arg(self.keys.upgrade_lock())
             .arg(&token)
             .arg("NX")
             .arg("PX")
@@ -74,7 +74,8 @@ impl RedisStore {
         }
         self.v1_to_v2(now).await.map_err(during_upgrade)?;
         let mut done = redis::pipe();
-        done.set(SCHEMA_KEY, SCHEMA_VERSION).del(UPGRADE_LOCK_KEY);
+        done.set(&schema_key, SCHEMA_VERSION)
+            .del(self.keys.upgrade_lock());
         self.send::<()>(&done).await?;
         Ok(found)
     }
@@ -84,16 +85,17 @@ impl RedisStore {
     async fn wait_for_upgrade(&self, found: u32) -> Result<u32, StoreError> {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(UPGRADE_LOCK_MS);
         while tokio::time::Instant::now() < deadline {
-            let version: Option<u32> = self.send(&Cmd::get(SCHEMA_KEY)).await?;
+            let version: Option<u32> = self.send(&Cmd::get(self.keys.schema())).await?;
             if version == Some(SCHEMA_VERSION) {
                 return Ok(found);
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         Err(StoreError::Unavailable(format!(
-            "another process has been upgrading the Redis layout for {} s ({UPGRADE_LOCK_KEY}); \
+            "another process has been upgrading the Redis layout for {} s ({}); \
              start again to take over",
-            UPGRADE_LOCK_MS / 1000
+            UPGRADE_LOCK_MS / 1000,
+            self.keys.upgrade_lock()
         )))
     }
 
@@ -117,7 +119,7 @@ impl RedisStore {
         let mut scan = redis::cmd("SCAN");
         scan.arg(cursor)
             .arg("MATCH")
-            .arg(PARTITION_KEYS)
+            .arg(self.keys.partition_pattern())
             .arg("COUNT")
             .arg(PAGE);
         self.send(&scan).await

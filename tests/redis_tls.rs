@@ -1,0 +1,376 @@
+//! Redis over TLS (`rediss://` with `store.tls_*`) and with an ACL user and password in
+//! `store.url`, against private redis-servers. Certificates are made by the `openssl` CLI in a
+//! temp dir for each test; the password never reaches callbackd's output.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use callbackd::clock::Millis;
+use callbackd::store::redis::{ClientIdentity, RedisOptions, RedisStore, RedisTls};
+use callbackd::store::{
+    AcceptOutcome, AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Store,
+    StoreError,
+};
+use support::process::Process;
+use support::redis::{RedisServer, free_port};
+
+const NOW: Millis = 1_700_000_000_000;
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let pki = Pki {
+            dir: tempfile::tempdir().expect("temp dir"),
+        };
+        pki.ca("ca");
+        pki.leaf(
+            "server",
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        );
+        pki.leaf("client", "extendedKeyUsage=clientAuth\n");
+        pki
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .output()
+            .expect("openssl on PATH");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// A self-signed CA: `<name>.crt`, `<name>.key`.
+    fn ca(&self, name: &str) {
+        self.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.crt"),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN=callbackd test {name}"),
+        ]);
+    }
+
+    /// A certificate signed by `ca` with the given v3 extensions: `<name>.crt`, `<name>.key`.
+    fn leaf(&self, name: &str, extensions: &str) {
+        std::fs::write(self.path(&format!("{name}.ext")), extensions).expect("writes");
+        self.openssl(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+            "-subj",
+            &format!("/CN={name}"),
+        ]);
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{name}.crt"),
+            "-days",
+            "2",
+            "-extfile",
+            &format!("{name}.ext"),
+        ]);
+    }
+
+    fn read(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.path(name)).expect("reads PEM")
+    }
+
+    /// TLS options trusting this CA, with the client certificate when `client`.
+    fn options(&self, client: bool) -> RedisOptions {
+        RedisOptions {
+            tls: Some(RedisTls {
+                ca_pem: self.read("ca.crt"),
+                client: client.then(|| ClientIdentity {
+                    cert_pem: self.read("client.crt"),
+                    key_pem: self.read("client.key"),
+                }),
+            }),
+            ..RedisOptions::default()
+        }
+    }
+}
+
+/// A redis-server also listening with TLS on the returned port (the plain port stays for
+/// redis-cli and the readiness check).
+fn tls_server(pki: &Pki, auth_clients: bool) -> (RedisServer, u16) {
+    let tls_port = free_port().to_string();
+    let server = RedisServer::start_with_args(
+        "always",
+        &[
+            "--tls-port",
+            &tls_port,
+            "--tls-cert-file",
+            pki.path("server.crt").to_str().expect("utf-8 path"),
+            "--tls-key-file",
+            pki.path("server.key").to_str().expect("utf-8 path"),
+            "--tls-ca-cert-file",
+            pki.path("ca.crt").to_str().expect("utf-8 path"),
+            "--tls-auth-clients",
+            if auth_clients { "yes" } else { "no" },
+        ],
+    );
+    (server, tls_port.parse().expect("a port"))
+}
+
+fn rediss(port: u16) -> String {
+    format!("rediss://127.0.0.1:{port}/0")
+}
+
+async fn connect(url: &str, options: &RedisOptions) -> Result<RedisStore, StoreError> {
+    RedisStore::connect_with(url, Duration::from_secs(3), 3600, options).await
+}
+
+fn request(dedupe_key: &str) -> AcceptRequest {
+    let id = MessageId::generate(NOW, "order-1");
+    AcceptRequest {
+        dedupe: DedupeClaim {
+            key: dedupe_key.to_string(),
+            ttl_secs: 3600,
+            fingerprint: "fp".into(),
+            response: format!(r#"{{"messageId":"{id}"}}"#),
+        },
+        message: NewMessage {
+            id,
+            kind: MessageKind::Notification,
+            source: None,
+            payment_id: None,
+            transaction_id: None,
+            ordering_key: "order-1".into(),
+            event: None,
+            target_url: Some("http://127.0.0.1:9/hook".into()),
+            headers: BTreeMap::new(),
+            body: "{}".into(),
+            created_at: NOW,
+            deadline: NOW + 86_400_000,
+        },
+        payment: None,
+        seal: None,
+    }
+}
+
+/// The store accepts a callback once and replays it after.
+async fn accepts_and_replays(store: &RedisStore) {
+    assert_eq!(
+        store
+            .accept(request("claim/1"), NOW)
+            .await
+            .expect("accepts"),
+        AcceptOutcome::Accepted
+    );
+    assert!(matches!(
+        store
+            .accept(request("claim/1"), NOW)
+            .await
+            .expect("replays"),
+        AcceptOutcome::Replayed { .. }
+    ));
+}
+
+fn message(result: Result<RedisStore, StoreError>) -> String {
+    match result {
+        Ok(_) => panic!("connected where it must not"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[tokio::test]
+async fn a_tls_redis_accepts_and_replays_trusting_the_configured_ca() {
+    let pki = Pki::new();
+    let (_server, port) = tls_server(&pki, false);
+    let store = connect(&rediss(port), &pki.options(false))
+        .await
+        .expect("connects over TLS");
+    store.upgrade(NOW).await.expect("stamps the layout");
+    accepts_and_replays(&store).await;
+}
+
+#[tokio::test]
+async fn client_certificates_are_presented_when_the_server_asks() {
+    let pki = Pki::new();
+    let (_server, port) = tls_server(&pki, true);
+    let store = connect(&rediss(port), &pki.options(true))
+        .await
+        .expect("connects with a client certificate");
+    accepts_and_replays(&store).await;
+
+    let refused = message(connect(&rediss(port), &pki.options(false)).await);
+    assert!(
+        refused.contains("CertificateRequired"),
+        "the error says the server wants a client certificate: {refused}"
+    );
+}
+
+#[tokio::test]
+async fn a_server_certificate_from_another_ca_is_refused() {
+    let pki = Pki::new();
+    let other = Pki::new();
+    let (_server, port) = tls_server(&pki, false);
+    let refused = message(connect(&rediss(port), &other.options(false)).await);
+    assert!(
+        refused.contains("invalid peer certificate"),
+        "the error says the server's certificate is the problem: {refused}"
+    );
+}
+
+/// An ACL user with its own password, allowed everything callbackd needs.
+fn acl_server(user: &str, password: &str) -> RedisServer {
+    let server = RedisServer::start();
+    let reply = server.cli(&[
+        "ACL",
+        "SETUSER",
+        user,
+        "on",
+        &format!(">{password}"),
+        "~*",
+        "&*",
+        "+@all",
+    ]);
+    assert_eq!(reply, "OK");
+    server
+}
+
+#[tokio::test]
+async fn an_acl_user_and_password_in_the_url_work_and_a_wrong_one_is_not_echoed() {
+    let password = "pw-Secret-4711";
+    let server = acl_server("callbackd", password);
+    let url = format!("redis://callbackd:{password}@127.0.0.1:{}/0", server.port);
+    let store = connect(&url, &RedisOptions::default())
+        .await
+        .expect("connects as the ACL user");
+    accepts_and_replays(&store).await;
+
+    let wrong = "pw-Wrong-0815";
+    let url = format!("redis://callbackd:{wrong}@127.0.0.1:{}/0", server.port);
+    let refused = message(connect(&url, &RedisOptions::default()).await);
+    assert!(refused.contains("AuthenticationFailed"), "{refused}");
+    assert!(!refused.contains(wrong), "{refused}");
+}
+
+fn config_file(dir: &Path, store_url: &str) -> PathBuf {
+    let path = dir.join("callbackd.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[store]\nurl = \"{store_url}\"\n[auth]\nconnector_tokens = [\"{}\"]\n\
+             admin_tokens = [\"{}\"]\n",
+            support::CONNECTOR_TOKEN,
+            support::ADMIN_TOKEN
+        ),
+    )
+    .expect("writes the config");
+    path
+}
+
+#[test]
+fn the_password_in_store_url_is_never_printed_or_logged() {
+    let password = "pw-Secret-4711";
+    let server = acl_server("callbackd", password);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("redis://callbackd:{password}@127.0.0.1:{}/0", server.port);
+    let config = config_file(dir.path(), &url);
+
+    let checked = Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .args(["check-config", "--config", config.to_str().expect("utf-8")])
+        .env_remove("CALLBACKD_CONFIG")
+        .output()
+        .expect("runs check-config");
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    assert!(checked.status.success(), "{out}");
+    assert!(out.contains(&format!("127.0.0.1:{}", server.port)), "{out}");
+    assert!(
+        !out.contains(password),
+        "check-config printed the password: {out}"
+    );
+
+    // A serving process at the most verbose level, and one refused for a wrong password.
+    let log = dir.path().join("serve.log");
+    let port = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_callbackd"));
+    cmd.args(["serve", "--config", config.to_str().expect("utf-8")])
+        .env_remove("CALLBACKD_CONFIG")
+        .env("CALLBACKD__SERVER__LISTEN", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "trace")
+        .stdout(std::fs::File::create(&log).expect("log file"))
+        .stderr(std::fs::File::create(dir.path().join("serve.err")).expect("log file"));
+    let mut serving = Process::spawn(cmd, port, Duration::from_secs(15))
+        .unwrap_or_else(|e| panic!("callbackd did not start: {e}"));
+    serving.stop(Duration::from_secs(10));
+
+    let wrong = "pw-Wrong-0815";
+    let wrong_url = format!("redis://callbackd:{wrong}@127.0.0.1:{}/0", server.port);
+    let refused = Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .args([
+            "serve",
+            "--config",
+            config_file(dir.path(), &wrong_url).to_str().expect("utf-8"),
+        ])
+        .env_remove("CALLBACKD_CONFIG")
+        .env(
+            "CALLBACKD__SERVER__LISTEN",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .env("RUST_LOG", "trace")
+        .output()
+        .expect("runs serve");
+    assert!(!refused.status.success(), "started with a wrong password");
+    let logged = format!(
+        "{}{}{}{}",
+        std::fs::read_to_string(&log).expect("reads the log"),
+        std::fs::read_to_string(dir.path().join("serve.err")).expect("reads the log"),
+        String::from_utf8_lossy(&refused.stdout),
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    assert!(!logged.is_empty(), "nothing was logged to check");
+    assert!(
+        !logged.contains(password),
+        "the password was logged: {logged}"
+    );
+    assert!(!logged.contains(wrong), "the password was logged: {logged}");
+}
