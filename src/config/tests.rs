@@ -463,6 +463,25 @@ fn tls_files_are_checked_by_their_key() {
 }
 
 #[test]
+fn key_prefix_and_tls_files_come_from_the_environment_too() {
+    let c = load(
+        "",
+        &[
+            ("CALLBACKD__STORE__URL", "rediss://127.0.0.1:6380/0"),
+            ("CALLBACKD__STORE__KEY_PREFIX", "staging"),
+            ("CALLBACKD__STORE__TLS_CA_FILE", "/nonexistent/ca.pem"),
+        ],
+    );
+    match c {
+        Err(ConfigError::Invalid { key, message }) => {
+            assert_eq!(key, "store.tls_ca_file");
+            assert!(message.contains("/nonexistent/ca.pem"), "{message}");
+        }
+        other => panic!("expected the CA file to be read, got {other:?}"),
+    }
+}
+
+#[test]
 fn a_refused_store_url_does_not_echo_its_password() {
     let (key, message) = refusal("[store]\nurl = \"redis:/user:hunter2-pw@127.0.0.1:6379\"\n");
     assert_eq!(key, "store.url");
