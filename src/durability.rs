@@ -3,6 +3,13 @@
 //! dedupe claims and payment states, so a duplicate is delivered again or a refund refused.
 //! `store.require_durable = true` refuses anything it cannot confirm; otherwise each doubt is
 //! a warning.
+//!
+//! With `store.min_replicas_acked = N > 0` a third question: are N replicas connected? Fewer
+//! is refused whatever `require_durable` says, because every write would wait for replicas
+//! that are not there and be answered 503, the layout stamp at start-up first: a clear refusal
+//! naming the setting beats a process that serves only 503s, and a supervisor that restarts it
+//! gets a working process once the replicas are back. A count Redis does not tell (INFO
+//! disabled) is a warning: each write's `WAIT` still decides.
 
 use crate::store::StoreError;
 use crate::store::redis::{DurabilitySettings, RedisStore};
@@ -20,6 +27,42 @@ pub async fn check_redis(store: &RedisStore, require_durable: bool) -> Result<Ve
         store.durability_settings().await?.as_ref(),
         require_durable,
     ))
+}
+
+/// Reads how many replicas `store`'s Redis has connected and judges them against `wanted`
+/// (`store.min_replicas_acked`); nothing is read when `wanted` is 0.
+pub async fn check_replicas(store: &RedisStore, wanted: u32) -> Result<Verdict, StoreError> {
+    if wanted == 0 {
+        return Ok(Verdict::Start {
+            warnings: Vec::new(),
+        });
+    }
+    Ok(judge_replicas(store.connected_replicas().await?, wanted))
+}
+
+/// Judges `connected_slaves` of `INFO replication` (`None`: INFO did not say) against
+/// `wanted` replicas.
+pub fn judge_replicas(connected: Option<u32>, wanted: u32) -> Verdict {
+    match connected {
+        _ if wanted == 0 => Verdict::Start {
+            warnings: Vec::new(),
+        },
+        Some(n) if n < wanted => Verdict::Refuse(format!(
+            "store.min_replicas_acked = {wanted} but Redis has {n} replica(s) connected \
+             (INFO replication, connected_slaves): every write would be answered 503. Connect \
+             the replicas, or lower store.min_replicas_acked"
+        )),
+        Some(_) => Verdict::Start {
+            warnings: Vec::new(),
+        },
+        None => Verdict::Start {
+            warnings: vec![format!(
+                "cannot read how many replicas Redis has connected (INFO replication is \
+                 disabled, renamed or not permitted): with store.min_replicas_acked = {wanted} \
+                 a write is answered 503 until {wanted} replica(s) acknowledge it"
+            )],
+        },
+    }
 }
 
 /// Judges settings read with `CONFIG GET` (`None`: CONFIG is not available).
@@ -155,6 +198,41 @@ mod tests {
         );
         let w = warnings(judge(None, false));
         assert!(w[0].contains("cannot read"), "{w:?}");
+    }
+
+    #[test]
+    fn too_few_connected_replicas_are_refused() {
+        for (connected, wanted) in [(0, 1), (1, 2), (2, 16)] {
+            let message = refusal(judge_replicas(Some(connected), wanted));
+            assert!(
+                message.contains(&format!("store.min_replicas_acked = {wanted}")),
+                "{message}"
+            );
+            assert!(
+                message.contains(&format!("{connected} replica(s) connected")),
+                "{message}"
+            );
+        }
+    }
+
+    #[test]
+    fn enough_replicas_or_none_wanted_start_without_a_word() {
+        for (connected, wanted) in [(Some(1), 1), (Some(3), 2), (Some(0), 0), (None, 0)] {
+            assert_eq!(
+                warnings(judge_replicas(connected, wanted)),
+                Vec::<String>::new()
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_replica_count_is_a_warning() {
+        let w = warnings(judge_replicas(None, 2));
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("INFO replication") && w[0].contains("min_replicas_acked = 2"),
+            "{w:?}"
+        );
     }
 
     #[test]

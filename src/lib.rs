@@ -53,6 +53,9 @@ pub enum StartError {
     /// says what to check.
     #[error("store.require_durable = true refuses this Redis: {0}")]
     NotDurable(String),
+    /// `store.min_replicas_acked` asks for more replicas than the Redis has connected.
+    #[error("{0}")]
+    TooFewReplicas(String),
     #[error("{0}")]
     Setup(String),
     #[error("I/O: {0}")]
@@ -76,16 +79,13 @@ pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, Star
         StoreLocation::Redis(url) => {
             let store = RedisStore::connect_with(url, settings.timeout, retention, &settings.redis)
                 .await?
-                .with_payment_retention_secs(payment_retention);
+                .with_payment_retention_secs(payment_retention)
+                .with_min_replicas_acked(settings.min_replicas_acked);
             // Judged before the upgrade writes anything to a Redis that may be refused.
-            match durability::check_redis(&store, settings.require_durable).await? {
-                Verdict::Refuse(why) => return Err(StartError::NotDurable(why)),
-                Verdict::Start { warnings } => {
-                    for warning in warnings {
-                        tracing::warn!("{warning}");
-                    }
-                }
-            }
+            let durable = durability::check_redis(&store, settings.require_durable).await?;
+            start_or_refuse(durable, StartError::NotDurable)?;
+            let replicas = durability::check_replicas(&store, settings.min_replicas_acked).await?;
+            start_or_refuse(replicas, StartError::TooFewReplicas)?;
             let from = store.upgrade(clock::SystemClock.now_ms()).await?;
             if from < store::redis::SCHEMA_VERSION {
                 tracing::info!(
@@ -95,6 +95,19 @@ pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, Star
                 );
             }
             Ok(Arc::new(store))
+        }
+    }
+}
+
+/// Logs a start-up verdict's warnings, or refuses with `refused`.
+fn start_or_refuse(verdict: Verdict, refused: fn(String) -> StartError) -> Result<(), StartError> {
+    match verdict {
+        Verdict::Refuse(why) => Err(refused(why)),
+        Verdict::Start { warnings } => {
+            for warning in warnings {
+                tracing::warn!("{warning}");
+            }
+            Ok(())
         }
     }
 }

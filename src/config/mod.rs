@@ -35,6 +35,9 @@ pub const OVERRIDE_PREFIX: &str = "CALLBACKD__";
 pub const DEFAULT_CONFIG_PATH: &str = "config.toml";
 /// Expired data is gone at most this long after it expires.
 pub const MAX_SWEEP_INTERVAL_SECS: u64 = 60;
+/// Most replicas `store.min_replicas_acked` may ask for: more than any sane deployment runs
+/// behind one master, so a larger number is a typo.
+pub const MAX_MIN_REPLICAS_ACKED: u32 = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -127,6 +130,9 @@ pub struct StoreConfig {
     pub tls_cert_file: Option<PathBuf>,
     /// Redis only: PEM private key of `tls_cert_file`.
     pub tls_key_file: Option<PathBuf>,
+    /// Redis replicas that must acknowledge every write (`WAIT`) within `timeout_ms` before it
+    /// counts; fewer is a 503. 0 waits for none.
+    pub min_replicas_acked: u32,
 }
 
 impl Default for StoreConfig {
@@ -142,6 +148,7 @@ impl Default for StoreConfig {
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
+            min_replicas_acked: 0,
         }
     }
 }

@@ -67,6 +67,8 @@ pub struct StoreSettings {
     pub require_durable: bool,
     /// Key prefix and TLS certificates, used when `location` is Redis.
     pub redis: RedisOptions,
+    /// Redis replicas that must acknowledge every write; 0 waits for none.
+    pub min_replicas_acked: u32,
 }
 
 /// `[dispatch]`.
@@ -162,6 +164,7 @@ impl Settings {
             timeout: Duration::from_millis(store.timeout_ms),
             require_durable: store.require_durable,
             redis: config.redis_options()?,
+            min_replicas_acked: store.min_replicas_acked,
         };
         let dispatch = DispatchSettings {
             enabled: dispatch.enabled,

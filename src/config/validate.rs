@@ -9,7 +9,8 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use super::{
-    Config, ConfigError, LEASE_MARGIN_MS, MAX_SWEEP_INTERVAL_SECS, StoreLocation, invalid,
+    Config, ConfigError, LEASE_MARGIN_MS, MAX_MIN_REPLICAS_ACKED, MAX_SWEEP_INTERVAL_SECS,
+    StoreLocation, invalid,
 };
 use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls, key_prefix_problem};
 
@@ -123,6 +124,7 @@ impl Config {
                 format!("must be 1 to {MAX_SWEEP_INTERVAL_SECS} seconds"),
             ));
         }
+        self.validate_min_replicas_acked()?;
         let d = &self.dispatch;
         for (key, value) in [
             ("dispatch.max_age_secs", d.max_age_secs),
@@ -166,6 +168,25 @@ impl Config {
         }
         for (name, source) in &self.sources {
             source.validate(name, exposure)?;
+        }
+        Ok(())
+    }
+
+    /// Replicas exist only behind Redis: on SQLite the setting would promise what nothing
+    /// does, so it is refused rather than ignored.
+    fn validate_min_replicas_acked(&self) -> Result<(), ConfigError> {
+        let n = self.store.min_replicas_acked;
+        if n > MAX_MIN_REPLICAS_ACKED {
+            return Err(invalid(
+                "store.min_replicas_acked",
+                format!("must be at most {MAX_MIN_REPLICAS_ACKED} (got {n})"),
+            ));
+        }
+        if n > 0 && matches!(self.store_location()?, StoreLocation::Sqlite(_)) {
+            return Err(invalid(
+                "store.min_replicas_acked",
+                "needs a redis:// store.url (SQLite has no replicas); set it to 0",
+            ));
         }
         Ok(())
     }

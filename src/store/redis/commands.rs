@@ -342,7 +342,7 @@ pub(super) async fn reserve_operation(
         .arg("NX")
         .arg("EX")
         .arg(ttl_secs);
-    let set: Option<String> = store.send(&reserve).await?;
+    let set: Option<String> = store.write(&reserve).await?;
     if set.is_some() {
         return Ok(OperationReservation::Fresh);
     }
@@ -361,7 +361,7 @@ pub(super) async fn finish_operation(
     ttl_secs: u64,
 ) -> Result<(), StoreError> {
     store
-        .send(&Cmd::set_ex(
+        .write(&Cmd::set_ex(
             store.keys.operation(key),
             encode_finished_operation(fingerprint, response),
             ttl_secs,

@@ -20,6 +20,11 @@
 //! - **A versioned layout.** The version is in `cb:schema` (`cb` being `store.key_prefix`); [`RedisStore::upgrade`] brings an
 //!   older layout up to date in place (`upgrade.rs`).
 //!
+//! - **Replica acknowledgement on request.** With `store.min_replicas_acked = N` every write is
+//!   followed by `WAIT N` in the same round trip ([`RedisStore::write`]); fewer acks within
+//!   the store timeout is `Unavailable` (503), and the write stays for the retry to replay
+//!   (README.md, "Durability").
+//!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
 //! `reads.rs` answers the reads; both go through the round trips defined here.
 
@@ -126,6 +131,11 @@ pub struct RedisStore {
     payment_retention_secs: u64,
     /// Leases timed by Redis' clock (`TIME`) rather than the caller's.
     store_clock_leases: bool,
+    /// Replicas that must acknowledge every write (`store.min_replicas_acked`); 0 sends no
+    /// `WAIT`.
+    min_replicas_acked: u32,
+    /// How long a `WAIT` blocks, inside the round trip's timeout.
+    wait_timeout_ms: u64,
     /// Partition that gets the first share of the next claim, rotated so a small `limit`
     /// does not always favour the low partitions.
     next_claim_start: AtomicUsize,
@@ -185,6 +195,8 @@ impl RedisStore {
             retention_secs,
             payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
             store_clock_leases: true,
+            min_replicas_acked: 0,
+            wait_timeout_ms: wait_timeout_ms(timeout),
             next_claim_start: AtomicUsize::new(0),
         })
     }
@@ -192,6 +204,12 @@ impl RedisStore {
     /// How long a payment's status outlives its last transition (at least the retention).
     pub fn with_payment_retention_secs(mut self, secs: u64) -> RedisStore {
         self.payment_retention_secs = secs.max(self.retention_secs);
+        self
+    }
+
+    /// Makes every write wait for `n` replicas to acknowledge it (`store.min_replicas_acked`).
+    pub fn with_min_replicas_acked(mut self, n: u32) -> RedisStore {
+        self.min_replicas_acked = n;
         self
     }
 
@@ -227,6 +245,25 @@ impl RedisStore {
         }
     }
 
+    /// `connected_slaves` of `INFO replication`, or `None` when INFO is disabled, renamed or
+    /// not permitted, or does not say.
+    pub async fn connected_replicas(&self) -> Result<Option<u32>, StoreError> {
+        let reply: RedisResult<String> = self
+            .query((&*redis::cmd("INFO").arg("replication")).into())
+            .await;
+        match reply {
+            Ok(info) => Ok(info.lines().find_map(|line| {
+                line.trim()
+                    .strip_prefix("connected_slaves:")
+                    .and_then(|n| n.parse().ok())
+            })),
+            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                Err(unavailable(e))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
     /// Sends one round trip. Clones of the connection manager share its connection.
     async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
         let mut conn = self.conn.clone();
@@ -236,7 +273,9 @@ impl RedisStore {
         }
     }
 
-    /// Sends one round trip; a failure is the store being unavailable.
+    /// Sends one round trip that only reads (writes go through [`RedisStore::write`] or
+    /// [`RedisStore::eval`], which wait for replicas); a failure is the store being
+    /// unavailable.
     async fn send<'r, T: FromRedisValue>(
         &self,
         request: impl Into<Request<'r>>,
@@ -244,24 +283,111 @@ impl RedisStore {
         self.query(request.into()).await.map_err(unavailable)
     }
 
-    /// Sends calls of `script` (see [`script_call`]). A server that restarted since, or another
-    /// server behind the URL, has no scripts in its cache: a NOSCRIPT reply loads `script` and
-    /// sends the calls again.
+    /// Sends calls of `script` (see [`script_call`]); every script writes, so this is a
+    /// [`RedisStore::write`]. A server that restarted since, or another server behind the URL,
+    /// has no scripts in its cache: a NOSCRIPT reply loads `script` and sends the calls again.
     async fn eval<'r, T: FromRedisValue>(
         &self,
         script: &Script,
         request: impl Into<Request<'r>>,
     ) -> Result<T, StoreError> {
         let request = request.into();
-        match self.query(request).await {
+        let (reply, acked) = match self.query_acked(request).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 let mut conn = self.conn.clone();
                 script.load_async(&mut conn).await.map_err(unavailable)?;
-                self.send(request).await
+                self.query_acked(request).await.map_err(unavailable)?
             }
-            other => other.map_err(unavailable),
+            other => other.map_err(unavailable)?,
+        };
+        self.check_acks(acked)?;
+        Ok(reply)
+    }
+
+    /// Sends a round trip that writes; with `store.min_replicas_acked = N > 0` it succeeds only
+    /// once N replicas acknowledged the write.
+    ///
+    /// Fewer acknowledgements is `Unavailable` (503 + Retry-After). The write is not undone: it
+    /// stays on the master, so the provider's retry is answered as a replay. A claim's leases
+    /// stay too, and expire as any unfinished lease does.
+    async fn write<'r, T: FromRedisValue>(
+        &self,
+        request: impl Into<Request<'r>>,
+    ) -> Result<T, StoreError> {
+        let (reply, acked) = self
+            .query_acked(request.into())
+            .await
+            .map_err(unavailable)?;
+        self.check_acks(acked)?;
+        Ok(reply)
+    }
+
+    /// Sends a write and, when replicas must acknowledge it, `WAIT N` in the same round trip,
+    /// right after the write: a pipeline goes out as one buffer on one connection, so the
+    /// `WAIT` covers this write even when the connection manager reconnects in between (a
+    /// `WAIT` on a fresh connection would have nothing to wait for and answer at once). The
+    /// manager multiplexes every task on that connection, and Redis waits for the
+    /// connection's latest write: writes of other tasks sent before this `WAIT` are waited for
+    /// too, which is correct, only possibly slower. The reply, and how many replicas
+    /// acknowledged (`None`: no `WAIT` was sent).
+    async fn query_acked<T: FromRedisValue>(
+        &self,
+        request: Request<'_>,
+    ) -> RedisResult<(T, Option<u32>)> {
+        if self.min_replicas_acked == 0 {
+            return Ok((self.query(request).await?, None));
+        }
+        let mut pipe = match request {
+            Request::One(cmd) => {
+                let mut pipe = redis::pipe();
+                pipe.add_command(cmd.clone());
+                pipe
+            }
+            // `WAIT` inside MULTI does not block, so a transaction is spelled out with the
+            // `WAIT` after its EXEC. Its reply keeps the replies of ignored commands; the one
+            // transaction the engine sends (the upgrade's) discards its reply.
+            Request::Pipeline(inner) if inner.is_transaction() => {
+                let mut pipe = redis::pipe();
+                pipe.cmd("MULTI").ignore();
+                for cmd in inner.cmd_iter() {
+                    pipe.add_command(cmd.clone()).ignore();
+                }
+                pipe.cmd("EXEC");
+                pipe
+            }
+            Request::Pipeline(inner) => inner.clone(),
+        };
+        pipe.cmd("WAIT")
+            .arg(self.min_replicas_acked)
+            .arg(self.wait_timeout_ms);
+        let mut replies: Vec<Value> = self.query((&pipe).into()).await?;
+        let acked: u32 = redis::from_redis_value(replies.pop().unwrap_or(Value::Nil))?;
+        let reply = match request {
+            Request::Pipeline(inner) if !inner.is_transaction() => Value::Array(replies),
+            _ => replies.pop().unwrap_or(Value::Nil),
+        };
+        Ok((redis::from_redis_value(reply)?, Some(acked)))
+    }
+
+    fn check_acks(&self, acked: Option<u32>) -> Result<(), StoreError> {
+        match acked {
+            Some(acked) if acked < self.min_replicas_acked => {
+                Err(StoreError::Unavailable(format!(
+                    "{acked} of store.min_replicas_acked = {} replicas acknowledged the write within \
+                 {} ms; it stays on the master, so a retry is answered as a replay",
+                    self.min_replicas_acked, self.wait_timeout_ms
+                )))
+            }
+            _ => Ok(()),
         }
     }
+}
+
+/// How long a `WAIT` blocks: four fifths of the round-trip timeout, leaving the rest for the
+/// write and the network, so a missing replica is reported as such rather than as a timeout.
+/// At least 1 ms, since `WAIT 0` would block forever.
+fn wait_timeout_ms(timeout: Duration) -> u64 {
+    (u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) / 5 * 4).max(1)
 }
 
 /// What one round trip sends: a command, or a pipeline of them.

@@ -55,7 +55,7 @@ impl RedisStore {
         if found == SCHEMA_VERSION {
             // A new store is stamped; stamping an up-to-date one again changes nothing.
             return self
-                .send(&Cmd::set(&schema_key, SCHEMA_VERSION))
+                .write(&Cmd::set(&schema_key, SCHEMA_VERSION))
                 .await
                 .map(|()| found);
         }
@@ -68,7 +68,7 @@ impl RedisStore {
             .arg("NX")
             .arg("PX")
             .arg(UPGRADE_LOCK_MS);
-        let mine: Option<String> = self.send(&lock).await?;
+        let mine: Option<String> = self.write(&lock).await?;
         if mine.is_none() {
             return self.wait_for_upgrade(found).await;
         }
@@ -76,7 +76,7 @@ impl RedisStore {
         let mut done = redis::pipe();
         done.set(&schema_key, SCHEMA_VERSION)
             .del(self.keys.upgrade_lock());
-        self.send::<()>(&done).await?;
+        self.write::<()>(&done).await?;
         Ok(found)
     }
 
@@ -189,7 +189,7 @@ impl RedisStore {
                 Kind::Index => self.drop_dangling(&mut writes, prefix, key).await?,
             }
         }
-        self.send::<Value>(&writes).await?;
+        self.write::<Value>(&writes).await?;
         Ok(())
     }
 
