@@ -2189,6 +2189,43 @@ mod redis_only {
         the_upgraded_fixture_keeps_its_data(&h, dumped_at).await;
     }
 
+    /// The upgrade's pages are writes too: with `store.min_replicas_acked = 1` each waits for
+    /// the replica, which ends up with the upgraded layout.
+    #[tokio::test]
+    async fn an_upgrade_that_needs_replica_acks_reaches_the_replica() {
+        let master = RedisServer::start();
+        let port = master.port.to_string();
+        let replica = RedisServer::start_with_args("always", &["--replicaof", "127.0.0.1", &port]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !(replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+            && master
+                .cli(&["INFO", "replication"])
+                .contains("connected_slaves:1"))
+        {
+            assert!(std::time::Instant::now() < deadline, "the replica syncs");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let dumped_at = load_fixture(&master.url()).await;
+        let store = RedisStore::connect(&master.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap()
+            .with_min_replicas_acked(1);
+        let from = store.upgrade(dumped_at).await.unwrap();
+        assert_eq!(from, 1);
+        assert_eq!(
+            replica.cli(&["GET", "cb:schema"]),
+            callbackd::store::redis::SCHEMA_VERSION.to_string()
+        );
+        assert_eq!(replica.cli(&["DBSIZE"]), master.cli(&["DBSIZE"]));
+        assert!(
+            master
+                .cli(&["INFO", "commandstats"])
+                .contains("cmdstat_wait:")
+        );
+    }
+
     /// Two processes start on a first-release store at once, and one of its messages has a
     /// history longer than v2 keeps: one upgrades while the other waits, and the history is
     /// brought down to the first row and the latest 100, its total kept.

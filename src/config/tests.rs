@@ -31,6 +31,7 @@ fn defaults_match_the_design() {
     assert_eq!(c.dispatch.request_timeout_ms, 10_000);
     assert_eq!(c.dispatch.concurrency, 64);
     assert!(!c.dispatch.allow_private_networks);
+    assert_eq!(c.store.min_replicas_acked, 0);
     assert!(matches!(
         c.store_location().unwrap(),
         StoreLocation::Sqlite(_)
@@ -87,6 +88,14 @@ fn errors_name_the_key() {
             "server.max_buffered_bytes",
         ),
         ("[dispatch]\nlease_secs = 10\n", "dispatch.lease_secs"),
+        (
+            "[store]\nurl = \"redis://127.0.0.1:6379/0\"\nmin_replicas_acked = 17\n",
+            "store.min_replicas_acked",
+        ),
+        (
+            "[store]\nmin_replicas_acked = 1\n",
+            "store.min_replicas_acked",
+        ),
         ("[sources.p]\nsignature = \"payzu\"\n", "sources.p.secrets"),
         (
             "[sources.p]\nsignature = \"standard-webhooks\"\nsecrets = [\"whsec_!!\"]\n",
@@ -350,6 +359,22 @@ fn env_values_that_fit_no_reading_keep_their_first_error() {
         let err = load("", &[(var, value)]).unwrap_err().to_string();
         assert!(err.starts_with(message), "{var}={value}: `{err}`");
     }
+}
+
+#[test]
+fn min_replicas_acked_reaches_the_store_settings() {
+    let text = "[store]\nurl = \"redis://127.0.0.1:6379/0\"\nmin_replicas_acked = 16\n";
+    let c = load(text, &[]).unwrap();
+    assert_eq!(
+        Settings::from_config(&c).unwrap().store.min_replicas_acked,
+        16
+    );
+    let c = load(
+        "[store]\nurl = \"redis://127.0.0.1:6379/0\"\n",
+        &[("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "2")],
+    )
+    .unwrap();
+    assert_eq!(c.store.min_replicas_acked, 2);
 }
 
 #[test]
