@@ -25,7 +25,8 @@ const GENEROUS: Duration = Duration::from_secs(5);
 
 /// A master and one replica of it, the replica in sync.
 fn master_and_replica() -> (RedisServer, RedisServer) {
-    let master = RedisServer::start();
+    // No 5 s wait for more replicas before the first sync (Redis 7's diskless default).
+    let master = RedisServer::start_with_args("always", &["--repl-diskless-sync-delay", "0"]);
     let port = master.port.to_string();
     let replica = RedisServer::start_with_args("always", &["--replicaof", "127.0.0.1", &port]);
     wait_in_sync(&master, &replica);

@@ -1,7 +1,8 @@
 //! The Store contract (ARCHITECTURE.md, "The store seam"): the same tests against every backend.
 //!
 //! `contract!` turns each `async fn(&Harness)` below into one test per backend, in the modules
-//! `redis` (a private `redis-server` per test) and `sqlite` (a temp file per test). Time is
+//! `redis` (a private `redis-server` per test), `redis_with_replica` (the same with a replica
+//! acknowledging every write) and `sqlite` (a temp file per test). Time is
 //! virtual: every call gets its `now`, starting at `T0`. Tests only one backend can run are in
 //! `redis_only` and `sqlite_only`.
 
@@ -34,6 +35,11 @@ const DAY_MS: Millis = 86_400_000;
 
 enum Backend {
     Redis(RedisServer),
+    /// A master and its replica, every write waiting for the replica (`min_replicas_acked`).
+    RedisWithReplica {
+        master: RedisServer,
+        _replica: RedisServer,
+    },
     /// Kept only so the directory outlives the store.
     Sqlite {
         _dir: tempfile::TempDir,
@@ -62,6 +68,37 @@ impl Harness {
         }
     }
 
+    /// The engine as `store.min_replicas_acked = 1` runs it: every reply decoded through the
+    /// round trip that carries `WAIT`.
+    async fn redis_with_replica() -> Harness {
+        // No 5 s wait for more replicas before the first sync (Redis 7's diskless default).
+        let master = RedisServer::start_with_args("always", &["--repl-diskless-sync-delay", "0"]);
+        let port = master.port.to_string();
+        let replica = RedisServer::start_with_args("always", &["--replicaof", "127.0.0.1", &port]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        // Connected is not yet in sync: a replica acknowledges once its first sync is done.
+        while !replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+        {
+            assert!(std::time::Instant::now() < deadline, "the replica syncs");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let store = RedisStore::connect(&master.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .expect("connect to the private redis-server")
+            .with_caller_clock_leases()
+            .with_min_replicas_acked(1);
+        store.upgrade(T0).await.expect("stamp the layout version");
+        Harness {
+            store: Box::new(store),
+            backend: Backend::RedisWithReplica {
+                master,
+                _replica: replica,
+            },
+        }
+    }
+
     async fn sqlite() -> Harness {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("cb.db");
@@ -75,7 +112,9 @@ impl Harness {
     /// Keys (Redis) or rows (SQLite) the store holds: what retention must bring back down.
     fn footprint(&self) -> u64 {
         match &self.backend {
-            Backend::Redis(server) => server.cli(&["DBSIZE"]).parse().expect("DBSIZE"),
+            Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
+                server.cli(&["DBSIZE"]).parse().expect("DBSIZE")
+            }
             Backend::Sqlite { path, .. } => {
                 let conn = rusqlite::Connection::open(path).expect("open for counting");
                 [
@@ -120,6 +159,14 @@ macro_rules! contract {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name(&super::Harness::redis().await).await;
+                }
+            )*
+        }
+        mod redis_with_replica {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(&super::Harness::redis_with_replica().await).await;
                 }
             )*
         }
@@ -2193,7 +2240,8 @@ mod redis_only {
     /// the replica, which ends up with the upgraded layout.
     #[tokio::test]
     async fn an_upgrade_that_needs_replica_acks_reaches_the_replica() {
-        let master = RedisServer::start();
+        // No 5 s wait for more replicas before the first sync (Redis 7's diskless default).
+        let master = RedisServer::start_with_args("always", &["--repl-diskless-sync-delay", "0"]);
         let port = master.port.to_string();
         let replica = RedisServer::start_with_args("always", &["--replicaof", "127.0.0.1", &port]);
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
