@@ -29,25 +29,8 @@ fn master_and_replica() -> (RedisServer, RedisServer) {
     let master = RedisServer::start_with_args("always", &["--repl-diskless-sync-delay", "0"]);
     let port = master.port.to_string();
     let replica = RedisServer::start_with_args("always", &["--replicaof", "127.0.0.1", &port]);
-    wait_in_sync(&master, &replica);
+    master.wait_for_replicas(1);
     (master, replica)
-}
-
-fn wait_in_sync(master: &RedisServer, replica: &RedisServer) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        let up = replica
-            .cli(&["info", "replication"])
-            .contains("master_link_status:up");
-        let connected = master
-            .cli(&["info", "replication"])
-            .contains("connected_slaves:1");
-        if up && connected {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("the replica did not sync with the master");
 }
 
 async fn store(redis: &RedisServer, min_replicas_acked: u32) -> RedisStore {
@@ -192,6 +175,8 @@ async fn a_killed_replica_means_unavailable_and_the_retry_replays() {
 #[tokio::test]
 async fn without_the_setting_no_wait_is_sent() {
     let (master, _replica) = master_and_replica();
+    // The test's own probe for the replica sent one.
+    master.cli(&["config", "resetstat"]);
     let store = store(&master, 0).await;
     store.upgrade(NOW).await.expect("stamps");
     store

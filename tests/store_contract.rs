@@ -75,15 +75,7 @@ impl Harness {
         let master = RedisServer::start_with_args("always", &["--repl-diskless-sync-delay", "0"]);
         let port = master.port.to_string();
         let replica = RedisServer::start_with_args("always", &["--replicaof", "127.0.0.1", &port]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        // Connected is not yet in sync: a replica acknowledges once its first sync is done.
-        while !replica
-            .cli(&["INFO", "replication"])
-            .contains("master_link_status:up")
-        {
-            assert!(std::time::Instant::now() < deadline, "the replica syncs");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        master.wait_for_replicas(1);
         let store = RedisStore::connect(&master.url(), Duration::from_secs(2), RETENTION_SECS)
             .await
             .expect("connect to the private redis-server")
@@ -2244,17 +2236,7 @@ mod redis_only {
         let master = RedisServer::start_with_args("always", &["--repl-diskless-sync-delay", "0"]);
         let port = master.port.to_string();
         let replica = RedisServer::start_with_args("always", &["--replicaof", "127.0.0.1", &port]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while !(replica
-            .cli(&["INFO", "replication"])
-            .contains("master_link_status:up")
-            && master
-                .cli(&["INFO", "replication"])
-                .contains("connected_slaves:1"))
-        {
-            assert!(std::time::Instant::now() < deadline, "the replica syncs");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        master.wait_for_replicas(1);
         let dumped_at = load_fixture(&master.url()).await;
         let store = RedisStore::connect(&master.url(), Duration::from_secs(2), RETENTION_SECS)
             .await

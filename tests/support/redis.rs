@@ -135,6 +135,34 @@ impl RedisServer {
         self.try_spawn().unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// Waits until `n` replicas acknowledge a write to this master. Connected, even "online",
+    /// is not enough: after a diskless sync the master streams writes to a replica only once
+    /// its first ACK came in (up to a second later). The probe key is deleted again.
+    pub fn wait_for_replicas(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let script = format!("SET cb-test-probe 1\nWAIT {n} 1000\nDEL cb-test-probe\n");
+        while Instant::now() < deadline {
+            let out = Command::new("sh")
+                .arg("-c")
+                .arg(format!("printf '{script}' | redis-cli -p {}", self.port))
+                .output()
+                .expect("sh and redis-cli on PATH");
+            let replies = String::from_utf8_lossy(&out.stdout).to_string();
+            if replies
+                .lines()
+                .nth(1)
+                .and_then(|l| l.trim().parse::<usize>().ok())
+                >= Some(n)
+            {
+                return;
+            }
+        }
+        panic!(
+            "{n} replica(s) did not acknowledge a write to port {}",
+            self.port
+        );
+    }
+
     /// Runs a redis-cli command against this server and returns its stdout.
     pub fn cli(&self, args: &[&str]) -> String {
         let out = Command::new("redis-cli")
