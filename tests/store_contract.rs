@@ -216,6 +216,7 @@ contract!(
     resend_expedites_a_message_retried_days_ahead,
     a_message_retried_past_its_deadline_is_swept_after_the_retention,
     a_forty_day_clock_jump_claims_everything_due,
+    a_recorded_message_is_kept_for_the_retention_not_its_claim_ttl,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -3129,4 +3130,27 @@ mod sqlite_only {
         .await;
         assert_eq!(all.len(), 200);
     }
+}
+
+/// A recorded message (nothing to deliver) is kept for the message retention, like a finished
+/// one, even when its dedupe claim lives shorter: the claim ends, the record stays listable.
+async fn a_recorded_message_is_kept_for_the_retention_not_its_claim_ttl(h: &Harness) {
+    let s = h.s();
+    let message = NewMessage {
+        target_url: None,
+        ..inbound("payzu", "tx-short-claim", T0)
+    };
+    let id = message.id.clone();
+    let mut req = request(&format!("claim/{id}"), message);
+    req.dedupe.ttl_secs = 60;
+    assert_eq!(s.accept(req, T0).await.unwrap(), AcceptOutcome::Accepted);
+    let past_the_claim = T0 + 3_600_000;
+    s.sweep(past_the_claim).await.unwrap();
+    assert_eq!(get(s, &id).await.state, MessageState::Recorded);
+    let end = T0 + RETENTION_SECS as Millis * 1000;
+    while s.sweep(end).await.unwrap() > 0 {}
+    assert!(
+        s.get(&id).await.unwrap().is_none(),
+        "gone after the retention"
+    );
 }

@@ -15,6 +15,7 @@ pub(super) fn accept(
     conn: &Connection,
     req: &AcceptRequest,
     now: Millis,
+    retention_ms: i64,
     payment_retention_ms: i64,
 ) -> Result<AcceptOutcome, StoreError> {
     if let Some(seal) = &req.seal {
@@ -105,8 +106,9 @@ pub(super) fn accept(
         msg.ordering_key,
         state.as_str(),
         msg.deadline,
-        // A recorded message has nothing left to do: it is kept as long as its claim.
-        (!pending).then_some(expires_at),
+        // A recorded message has nothing left to do: it is kept for the message retention,
+        // like a finished one (store::lifecycle::accept), whatever its claim's TTL.
+        (!pending).then_some(now.saturating_add(retention_ms)),
     ])
     .db()?;
     if pending {

@@ -303,10 +303,10 @@ fn wall_clock_ms() -> Millis {
 #[async_trait]
 impl Store for SqliteStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
-        let payment_retention_ms = self.payment_retention_ms;
+        let (retention_ms, payment_retention_ms) = (self.retention_ms, self.payment_retention_ms);
         self.writer
             .commit(Some(now), move |conn| {
-                accept::accept(conn, &req, now, payment_retention_ms)
+                accept::accept(conn, &req, now, retention_ms, payment_retention_ms)
             })
             .await
     }
