@@ -3,14 +3,11 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use callbackd::clock::Millis;
 use callbackd::store::redis::{RedisOptions, RedisStore, SCHEMA_VERSION};
-use callbackd::store::{
-    AcceptOutcome, AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Store,
-};
+use callbackd::store::{AcceptOutcome, AcceptRequest, MessageId, Store};
 use support::redis::RedisServer;
 
 const NOW: Millis = 1_700_000_000_000;
@@ -27,31 +24,7 @@ async fn store(server: &RedisServer, prefix: &str) -> RedisStore {
 
 /// The same callback (same dedupe key, same ordering key) as each deployment receives it.
 fn request(dedupe_key: &str, ordering_key: &str) -> AcceptRequest {
-    let id = MessageId::generate(NOW, ordering_key);
-    AcceptRequest {
-        dedupe: DedupeClaim {
-            key: dedupe_key.to_string(),
-            ttl_secs: 3600,
-            fingerprint: "fp".into(),
-            response: format!(r#"{{"messageId":"{id}"}}"#),
-        },
-        message: NewMessage {
-            id,
-            kind: MessageKind::Notification,
-            source: None,
-            payment_id: None,
-            transaction_id: None,
-            ordering_key: ordering_key.to_string(),
-            event: None,
-            target_url: Some("http://127.0.0.1:9/hook".into()),
-            headers: BTreeMap::new(),
-            body: "{}".into(),
-            created_at: NOW,
-            deadline: NOW + 86_400_000,
-        },
-        payment: None,
-        seal: None,
-    }
+    support::notification_request(dedupe_key, ordering_key, NOW)
 }
 
 #[tokio::test]

@@ -4,17 +4,13 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use callbackd::clock::Millis;
 use callbackd::store::redis::{ClientIdentity, RedisOptions, RedisStore, RedisTls};
-use callbackd::store::{
-    AcceptOutcome, AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Store,
-    StoreError,
-};
+use callbackd::store::{AcceptOutcome, AcceptRequest, Store, StoreError};
 use support::process::Process;
 use support::redis::{RedisServer, free_port};
 
@@ -164,31 +160,7 @@ async fn connect(url: &str, options: &RedisOptions) -> Result<RedisStore, StoreE
 }
 
 fn request(dedupe_key: &str) -> AcceptRequest {
-    let id = MessageId::generate(NOW, "order-1");
-    AcceptRequest {
-        dedupe: DedupeClaim {
-            key: dedupe_key.to_string(),
-            ttl_secs: 3600,
-            fingerprint: "fp".into(),
-            response: format!(r#"{{"messageId":"{id}"}}"#),
-        },
-        message: NewMessage {
-            id,
-            kind: MessageKind::Notification,
-            source: None,
-            payment_id: None,
-            transaction_id: None,
-            ordering_key: "order-1".into(),
-            event: None,
-            target_url: Some("http://127.0.0.1:9/hook".into()),
-            headers: BTreeMap::new(),
-            body: "{}".into(),
-            created_at: NOW,
-            deadline: NOW + 86_400_000,
-        },
-        payment: None,
-        seal: None,
-    }
+    support::notification_request(dedupe_key, "order-1", NOW)
 }
 
 /// The store accepts a callback once and replays it after.

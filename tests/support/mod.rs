@@ -302,3 +302,38 @@ pub async fn virtual_loop_server(
     let server = TestServer::start_with_clock(cfg, clock.clone()).await;
     (server, clock)
 }
+
+/// A notification's accept request with `dedupe_key`, ordered by `ordering_key`, accepted at
+/// `now`: what tests of the store's plumbing (TLS, key prefixes) send through it.
+pub fn notification_request(
+    dedupe_key: &str,
+    ordering_key: &str,
+    now: callbackd::clock::Millis,
+) -> callbackd::store::AcceptRequest {
+    use callbackd::store::{AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage};
+    let id = MessageId::generate(now, ordering_key);
+    AcceptRequest {
+        dedupe: DedupeClaim {
+            key: dedupe_key.to_string(),
+            ttl_secs: 3600,
+            fingerprint: "fp".into(),
+            response: format!(r#"{{"messageId":"{id}"}}"#),
+        },
+        message: NewMessage {
+            id,
+            kind: MessageKind::Notification,
+            source: None,
+            payment_id: None,
+            transaction_id: None,
+            ordering_key: ordering_key.to_string(),
+            event: None,
+            target_url: Some("http://127.0.0.1:9/hook".into()),
+            headers: std::collections::BTreeMap::new(),
+            body: "{}".into(),
+            created_at: now,
+            deadline: now + 86_400_000,
+        },
+        payment: None,
+        seal: None,
+    }
+}
