@@ -10,7 +10,7 @@ use crate::client::{callback_request, payzu_body};
 use crate::daemon::Daemon;
 use crate::load::{Judge, MakeRequest, closed_loop, percentiles};
 use crate::machine::{CpuSnapshot, cpu_secs, peak_rss_mib, run_bounded};
-use crate::{CONCURRENCY, Env, Report, half_load, rate, storm};
+use crate::{CONCURRENCY, Env, Report, half_load, naive, rate, storm};
 
 pub fn ingest_make(host: String, tag: String) -> MakeRequest {
     Arc::new(move |i| callback_request(&host, &payzu_body(&format!("tx-{tag}-{i}"))))
@@ -29,7 +29,7 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let mut daemon = Daemon::start(env.dir.path(), "ingest", &env.redis.url(), true).await?;
     let (ingest_rate, redis_us_per_accept) = ingest(env, &daemon, report).await?;
     raw_redis(env, report, ingest_rate, redis_us_per_accept);
-    env.redis.flushall().await?;
+    naive::run(env, report, ingest_rate).await?;
     half_load::run(env, &daemon, report, ingest_rate).await;
     storm::run(env, &daemon, report).await?;
     if let Some(mib) = peak_rss_mib(daemon.pid) {

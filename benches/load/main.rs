@@ -7,7 +7,8 @@
 //! Phases, each bounded in time and in count:
 //!  1. ingest: 64 connections post unique, validly signed PayZu callbacks for a fixed time
 //!     (closed loop); accepts/s and latency; then `redis-benchmark` runs unpipelined
-//!     `SET NX EX` against the same Redis for the ratio.
+//!     `SET NX EX` against the same Redis for the ratio, and the naive handler (verify,
+//!     `SET NX EX`, 200, no durable record) takes the same load as a reference point.
 //!  2. half load: open loop at 50% of the measured ingest rate; latency is measured from each
 //!     request's *scheduled* send time, so a stall is charged to every request it delays
 //!     (no coordinated omission).
@@ -25,7 +26,7 @@
 //! possible.
 //!
 //! Layout: `main.rs` reads the arguments, runs the phases in order and prints the report.
-//! One file per phase: `ingest` (1), `half_load` (2), `storm` (3), `dispatch` (4), `backlog`
+//! One file per phase: `ingest` (1, with `naive`, the reference handler), `half_load` (2), `storm` (3), `dispatch` (4), `backlog`
 //! and `memory` (5), `sqlite` (6). Shared by them: `load` (the closed and open loops and their
 //! latency histograms), `client` (the HTTP client and the requests it sends), `daemon` (a
 //! `callbackd serve` process), `redis_stats` (the Redis and what the report reads from it),
@@ -53,6 +54,7 @@ mod ingest;
 mod load;
 mod machine;
 mod memory;
+mod naive;
 mod redis_stats;
 mod sink;
 mod sqlite;
@@ -137,6 +139,9 @@ impl Plan {
 
 fn main() {
     // `cargo bench` passes `--bench`; anything but `--quick` is ignored.
+    if naive::serve_if_asked() {
+        return;
+    }
     let quick = std::env::args().skip(1).any(|a| a == "--quick");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
