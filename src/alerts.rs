@@ -20,6 +20,7 @@ use crate::config::ConfigError;
 use crate::digest::short_hash;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
+    Partitions,
 };
 use crate::trace::{TRACEPARENT, TRACESTATE};
 use crate::webhook::decode_whsec;
@@ -146,13 +147,15 @@ impl Alerts {
     }
 
     /// The alert announcing that `claimed` went dead after `attempt`, to be accepted before
-    /// the dead letter is recorded; `None` when the dead message is an alert itself.
+    /// the dead letter is recorded, into a store of `partitions`; `None` when the dead message
+    /// is an alert itself.
     pub fn dead_letter(
         &self,
         claimed: &Lease,
         attempt: &DeliveryAttempt,
         reason: DeathReason,
         now: Millis,
+        partitions: Partitions,
     ) -> Option<AcceptRequest> {
         let dead = &claimed.message;
         if is_alert(dead) {
@@ -195,7 +198,7 @@ impl Alerts {
         .to_string();
         let ordering_key = format!("{ORDERING_PREFIX}{}", dead.id);
         let message = NewMessage {
-            id: MessageId::generate(now, &ordering_key),
+            id: MessageId::generate(now, &ordering_key, partitions),
             kind: MessageKind::Notification,
             source: None,
             payment_id: None,

@@ -20,7 +20,7 @@ use crate::config::deadline;
 use crate::digest::short_hash;
 use crate::payment::{self, PaymentStatus};
 use crate::store::{
-    AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, PaymentTransition,
+    AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions, PaymentTransition,
 };
 
 /// What accepting a hand-off takes from the settings.
@@ -31,6 +31,8 @@ pub struct Settings {
     pub max_window: Duration,
     /// How long an idempotency key is claimed (`store.dedupe_ttl_secs`).
     pub dedupe_ttl: Duration,
+    /// The store's partition count, which the message id embeds.
+    pub partitions: Partitions,
 }
 
 /// A hand-off whose every field was checked: the status is a payment status, the
@@ -83,7 +85,7 @@ pub fn accept_request(
         request,
     } = notification;
     let ordering_key = payment::ordering_key(&payment_id);
-    let id = MessageId::generate(now, &ordering_key);
+    let id = MessageId::generate(now, &ordering_key, settings.partitions);
     let deliver_until = deadline(now, window.unwrap_or(settings.max_window));
     let response = serde_json::to_string(&NotificationAccepted {
         notification_id: id.to_string(),
@@ -145,6 +147,7 @@ mod tests {
     const SETTINGS: Settings = Settings {
         max_window: WEEK,
         dedupe_ttl: Duration::from_secs(30 * 86_400),
+        partitions: Partitions::DEFAULT,
     };
 
     fn notification(request: &str) -> Notification {

@@ -41,7 +41,7 @@ use clock::Clock;
 use config::{Config, Settings, StoreLocation, StoreSettings};
 use dispatch::Dispatcher;
 use durability::Verdict;
-use store::redis::RedisStore;
+use store::redis::{RedisOptions, RedisStore};
 use store::sqlite::{SqliteOptions, SqliteStore};
 use store::{Store, StoreError};
 
@@ -72,12 +72,17 @@ pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, Star
             let options = SqliteOptions {
                 timeout: settings.timeout,
                 payment_retention_secs: payment_retention,
+                partitions: settings.partitions,
                 ..SqliteOptions::default()
             };
             Ok(Arc::new(SqliteStore::open_with(path, retention, options)?))
         }
         StoreLocation::Redis(url) => {
-            let store = RedisStore::connect_with(url, settings.timeout, retention, &settings.redis)
+            let options = RedisOptions {
+                partitions: settings.partitions,
+                ..settings.redis.clone()
+            };
+            let store = RedisStore::connect_with(url, settings.timeout, retention, &options)
                 .await?
                 .with_payment_retention_secs(payment_retention)
                 .with_min_replicas_acked(settings.min_replicas_acked);

@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use callbackd::config::{Config, LogFormat, Settings};
+use callbackd::store::Partitions;
 
 const ADMIN_TOKEN_ENV: &str = "CALLBACKD_ADMIN_TOKEN";
 const URL_ENV: &str = "CALLBACKD_URL";
@@ -264,6 +265,16 @@ fn check_config(arg: ConfigArg) -> Result<(), String> {
         humantime::format_duration(store.payment_retention),
         humantime::format_duration(store.sweep_interval),
     );
+    match store.partitions {
+        Some(count) => println!(
+            "partitions: {count} (store.partitions); a store that records another count is refused"
+        ),
+        None => println!(
+            "partitions: the store's own (store.partitions not set): {} for a new store, 16 \
+             for one created before the count was recorded",
+            Partitions::DEFAULT
+        ),
+    }
     Ok(())
 }
 

@@ -479,11 +479,11 @@ async fn hostile_corpus_gets_documented_answers_and_stores_nothing() {
     cfg.dispatch.allow_private_networks = false;
     let server = TestServer::start(cfg).await;
     let addr = server.url.trim_start_matches("http://").to_string();
-    // The one key a fresh store has is its layout version, `cb:schema`.
+    // The keys a fresh store has: its layout version and its partition count.
     assert_eq!(
         redis.cli(&["dbsize"]),
-        "1",
-        "Redis holds only the layout version before the corpus"
+        "2",
+        "Redis holds only cb:schema and cb:partitions before the corpus"
     );
 
     let mut failures = Vec::new();
@@ -526,7 +526,7 @@ async fn hostile_corpus_gets_documented_answers_and_stores_nothing() {
     }
 
     let dbsize = redis.cli(&["dbsize"]);
-    if dbsize != "1" {
+    if dbsize != "2" {
         let keys = redis.cli(&["--scan"]);
         failures.push(format!(
             "DBSIZE is {dbsize} after the corpus: something was stored:\n{keys}"
@@ -542,7 +542,7 @@ async fn hostile_corpus_gets_documented_answers_and_stores_nothing() {
     if status != 200 {
         failures.push(format!("valid callback after the corpus: {status} {text}"));
     }
-    if redis.cli(&["dbsize"]) == "1" {
+    if redis.cli(&["dbsize"]) == "2" {
         failures.push(
             "the valid callback stored nothing: is DBSIZE looking at the right Redis?".into(),
         );

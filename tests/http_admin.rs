@@ -816,7 +816,7 @@ async fn a_resend_stops_at_ten_thousand_and_says_more() {
         async move {
             let payment = format!("cap-{i}");
             let ordering_key = callbackd::payment::ordering_key(&payment);
-            let id = MessageId::generate(t0 + i, &ordering_key);
+            let id = MessageId::generate(t0 + i, &ordering_key, store.partitions());
             let message = NewMessage {
                 id: id.clone(),
                 kind: MessageKind::Notification,

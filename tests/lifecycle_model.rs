@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use callbackd::clock::Millis;
 use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
+use callbackd::store::partitions::Partitions;
 use callbackd::store::lifecycle::{self, Lifetimes, Model};
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::SqliteStore;
@@ -190,7 +191,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
 
 /// Payment ids whose ordering keys share one partition, or lie in different ones.
 fn payment_ids(spread: bool) -> Vec<String> {
-    let partition = |id: &String| partition_of(&payment::ordering_key(id));
+    let partition = |id: &String| partition_of(&payment::ordering_key(id), Partitions::DEFAULT);
     let mut ids: Vec<String> = Vec::new();
     for n in 0.. {
         let id = format!("p{n}");
@@ -364,7 +365,7 @@ impl Run<'_> {
         let now = self.now;
         let payment_id = &self.payments[payment];
         let ordering_key = payment::ordering_key(payment_id);
-        let id = MessageId::generate(now, &ordering_key);
+        let id = MessageId::generate(now, &ordering_key, Partitions::DEFAULT);
         let message = NewMessage {
             id: id.clone(),
             kind: MessageKind::Notification,

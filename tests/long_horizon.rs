@@ -52,17 +52,18 @@ impl Footprint {
             .collect()
     }
 
-    /// Nothing is left but the layout version and one payment state: on Redis its key and
-    /// its member in the partition's expiry index, on SQLite its row.
+    /// Nothing is left but the layout version, the partition count and one payment state: on
+    /// Redis its key and its member in the partition's expiry index, on SQLite its row.
     fn assert_only_a_payment_state_is_left(&self) {
         match self {
             Footprint::Redis(redis) => {
                 let mut keys: Vec<String> =
                     redis.cli(&["--scan"]).lines().map(str::to_string).collect();
                 keys.sort();
-                let [schema, payment, expiry] = &keys[..] else {
+                let [partitions, schema, payment, expiry] = &keys[..] else {
                     panic!("keys left: {keys:?}");
                 };
+                assert_eq!(partitions, "cb:partitions");
                 assert_eq!(schema, "cb:schema");
                 assert!(payment.contains(":pay:"), "{keys:?}");
                 assert!(expiry.ends_with(":x"), "{keys:?}");
@@ -78,7 +79,10 @@ impl Footprint {
                     .into_iter()
                     .filter(|(_, n)| *n > 0)
                     .collect();
-                assert_eq!(left, [("payments".to_string(), 1)]);
+                assert_eq!(
+                    left,
+                    [("partitions".to_string(), 1), ("payments".to_string(), 1)]
+                );
             }
         }
     }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use callbackd::StartError;
 use callbackd::clock::{Millis, SystemClock};
+use callbackd::store::Partitions;
 use callbackd::store::redis::{RedisStore, SCHEMA_VERSION};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, MessageId, MessageKind,
@@ -42,7 +43,7 @@ async fn store(redis: &RedisServer, min_replicas_acked: u32) -> RedisStore {
 
 fn request(ordering_key: &str) -> AcceptRequest {
     let message = NewMessage {
-        id: MessageId::generate(NOW, ordering_key),
+        id: MessageId::generate(NOW, ordering_key, Partitions::DEFAULT),
         kind: MessageKind::Notification,
         source: None,
         payment_id: None,

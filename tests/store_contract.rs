@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use callbackd::payment;
 use callbackd::store::ids::partition_of;
+use callbackd::store::partitions::Partitions;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
@@ -222,9 +223,10 @@ contract!(
 // ---------------------------------------------------------------------------------------
 // Helpers
 
+/// A message of `ordering_key` for a new store, which has the default partition count.
 fn new_message(ordering_key: &str, now: Millis) -> NewMessage {
     NewMessage {
-        id: MessageId::generate(now, ordering_key),
+        id: MessageId::generate(now, ordering_key, Partitions::DEFAULT),
         kind: MessageKind::Notification,
         source: None,
         payment_id: None,
@@ -892,7 +894,7 @@ fn keys_sharing_a_partition() -> (String, String) {
     let a = "pay/a".to_string();
     let b = (0..)
         .map(|i| format!("pay/b{i}"))
-        .find(|k| partition_of(k) == partition_of(&a))
+        .find(|k| partition_of(k, Partitions::DEFAULT) == partition_of(&a, Partitions::DEFAULT))
         .expect("some key shares the partition");
     (a, b)
 }
@@ -1131,7 +1133,7 @@ async fn resend_in_flight_survives_an_attempt_that_ends_the_message(h: &Harness)
 
 async fn resend_skips_unknown_and_recorded_messages(h: &Harness) {
     let s = h.s();
-    let unknown = MessageId::generate(T0, "pay/none");
+    let unknown = MessageId::generate(T0, "pay/none", Partitions::DEFAULT);
     assert_eq!(
         s.resend(&unknown, resend_mark(T0), T0 + DAY_MS, T0)
             .await
@@ -1534,7 +1536,9 @@ async fn get_of_an_unknown_id_is_none(h: &Harness) {
     let s = h.s();
     accept_new(s, "pay/1", T0).await;
     assert_eq!(
-        s.get(&MessageId::generate(T0, "pay/1")).await.unwrap(),
+        s.get(&MessageId::generate(T0, "pay/1", Partitions::DEFAULT))
+            .await
+            .unwrap(),
         None
     );
 }
@@ -2026,6 +2030,11 @@ async fn a_forty_day_clock_jump_claims_everything_due(h: &Harness) {
 /// (shortly after the fixture was written, as far as its lifetimes are concerned).
 async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
     let s = h.s();
+    assert_eq!(
+        s.partitions(),
+        Partitions::LEGACY,
+        "a store of the first release keeps its 16 partitions"
+    );
     // A provider retry of a callback acknowledged before the upgrade is still a replay.
     let body = serde_json::json!({"id": "tx-1", "status": "COMPLETED", "type": "DEPOSIT", "method": "PIX"});
     let key = callbackd::inbound::dedupe::derive(
@@ -2043,7 +2052,13 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
             fingerprint: String::new(),
             response: "not the stored one".into(),
         },
-        ..request("unused", new_message(&ordering_key, now))
+        ..request(
+            "unused",
+            NewMessage {
+                id: MessageId::generate(now, &ordering_key, s.partitions()),
+                ..new_message(&ordering_key, now)
+            },
+        )
     };
     let AcceptOutcome::Replayed { response } = s.accept(retry, now).await.unwrap() else {
         panic!("a callback acknowledged by the old layout must replay");
@@ -2346,7 +2361,7 @@ mod redis_only {
             unreachable!()
         };
         let req = request("k-ttl", new_message("pay/1", T0));
-        let partition = partition_of("pay/1");
+        let partition = partition_of("pay/1", Partitions::DEFAULT);
         h.s().accept(req, T0).await.unwrap();
         let ttl: u64 = server
             .cli(&["TTL", &format!("cb:{{p{partition:02}}}:d:k-ttl")])
@@ -2457,7 +2472,7 @@ mod redis_only {
             .map(|i| {
                 request(
                     &format!("durable-{i}"),
-                    new_message(&format!("pay/durable-{}", i % 97), T0 + i),
+                    new_message(&format!("pay/durable-{}", i % 193), T0 + i),
                 )
             })
             .collect();
@@ -2467,10 +2482,7 @@ mod redis_only {
             assert_eq!(outcome.unwrap(), AcceptOutcome::Accepted);
         }
         let partitions: BTreeSet<u8> = requests.iter().map(|r| r.message.id.partition()).collect();
-        assert_eq!(
-            partitions.len(),
-            usize::from(callbackd::store::ids::PARTITIONS)
-        );
+        assert_eq!(partitions.len(), usize::from(Partitions::DEFAULT.count()));
         server.stop(true);
         server.start_again();
         until_answering(&store).await;

@@ -11,7 +11,7 @@ use callbackd::inbound::dedupe::{self, DEFAULT_FIELDS};
 use callbackd::store::redis::RedisStore;
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, MessageId, MessageKind,
-    NewMessage, Store,
+    NewMessage, Partitions, Store,
 };
 use futures::stream::{self, StreamExt};
 
@@ -21,12 +21,12 @@ use crate::machine::peak_rss_mib;
 use crate::sink::Arrivals;
 use crate::{CONCURRENCY, DAY_MS, DEDUPE_TTL_SECS, DRAIN_TIMEOUT};
 
-fn inbound_accept(tx: &str, now: i64, target_url: &str) -> AcceptRequest {
+fn inbound_accept(tx: &str, now: i64, target_url: &str, partitions: Partitions) -> AcceptRequest {
     let body = payzu_body(tx);
     let value: serde_json::Value = serde_json::from_str(&body).expect("bench body is JSON");
     let key = dedupe::derive("payzu", &value, None, &DEFAULT_FIELDS).expect("bench body has a key");
     let ordering_key = format!("src/payzu/{}", key.transaction_id);
-    let id = MessageId::generate(now, &ordering_key);
+    let id = MessageId::generate(now, &ordering_key, partitions);
     let response = format!(r#"{{"messageId":"{id}"}}"#);
     AcceptRequest {
         dedupe: DedupeClaim {
@@ -73,7 +73,12 @@ pub async fn bulk_accept(
             let (accepted, errors, first_error) = (&accepted, &errors, &first_error);
             async move {
                 let now = SystemClock.now_ms() + due_offset_ms;
-                let req = inbound_accept(&format!("tx-{tag}-{i}"), now, target_url);
+                let req = inbound_accept(
+                    &format!("tx-{tag}-{i}"),
+                    now,
+                    target_url,
+                    store.partitions(),
+                );
                 match store.accept(req, now).await {
                     Ok(AcceptOutcome::Accepted) => {
                         let done = accepted.fetch_add(1, Ordering::Relaxed) + 1;

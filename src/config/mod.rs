@@ -133,6 +133,9 @@ pub struct StoreConfig {
     /// Redis replicas that must acknowledge every write (`WAIT`) within `timeout_ms` before it
     /// counts; fewer is a 503. 0 waits for none.
     pub min_replicas_acked: u32,
+    /// Queue partitions of a new store (1 to 256; unset: 64). Fixed when the store is first
+    /// used and recorded in it; when set, a store recording another count refuses to start.
+    pub partitions: Option<u16>,
 }
 
 impl Default for StoreConfig {
@@ -149,6 +152,7 @@ impl Default for StoreConfig {
             tls_cert_file: None,
             tls_key_file: None,
             min_replicas_acked: 0,
+            partitions: None,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::clock::Millis;
 use crate::dispatch::schedule::Backoff;
 use crate::dispatch::ssrf::SsrfGuard;
 use crate::inbound::dedupe::DEFAULT_FIELDS;
+use crate::store::Partitions;
 use crate::store::redis::RedisOptions;
 use crate::webhook::{Verifier, decode_whsec};
 
@@ -69,6 +70,9 @@ pub struct StoreSettings {
     pub redis: RedisOptions,
     /// Redis replicas that must acknowledge every write; 0 waits for none.
     pub min_replicas_acked: u32,
+    /// `store.partitions` when set; `None` keeps the store's own count (the default for a new
+    /// store).
+    pub partitions: Option<Partitions>,
 }
 
 /// `[dispatch]`.
@@ -165,6 +169,7 @@ impl Settings {
             require_durable: store.require_durable,
             redis: config.redis_options()?,
             min_replicas_acked: store.min_replicas_acked,
+            partitions: config.partitions()?,
         };
         let dispatch = DispatchSettings {
             enabled: dispatch.enabled,

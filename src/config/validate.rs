@@ -13,6 +13,7 @@ use super::{
     StoreLocation, invalid,
 };
 use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls, key_prefix_problem};
+use crate::store::partitions::Partitions;
 
 /// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
 /// 128 bits, which nobody guesses.
@@ -125,6 +126,7 @@ impl Config {
             ));
         }
         self.validate_min_replicas_acked()?;
+        self.partitions()?;
         let d = &self.dispatch;
         for (key, value) in [
             ("dispatch.max_age_secs", d.max_age_secs),
@@ -189,6 +191,21 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// `store.partitions` when set, checked: every partition is numbered by one byte.
+    pub fn partitions(&self) -> Result<Option<Partitions>, ConfigError> {
+        self.store
+            .partitions
+            .map(|n| {
+                Partitions::new(n).ok_or_else(|| {
+                    invalid(
+                        "store.partitions",
+                        format!("must be 1 to {} (got {n})", Partitions::MAX),
+                    )
+                })
+            })
+            .transpose()
     }
 
     /// Whether tokens and secrets must be unguessable: the server is reachable beyond this
@@ -277,9 +294,11 @@ impl Config {
             }
             None => None,
         };
+        // The partition count is the store's setting, not only Redis': `StoreSettings` has it.
         Ok(RedisOptions {
             key_prefix: store.key_prefix.clone(),
             tls,
+            partitions: None,
         })
     }
 }

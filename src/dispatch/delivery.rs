@@ -261,12 +261,12 @@ fn error_class(e: &reqwest::Error) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{MessageId, MessageKind, NewMessage};
+    use crate::store::{MessageId, MessageKind, NewMessage, Partitions};
 
     fn claimed(backoff_step: u32, deadline: Millis) -> Lease {
         Lease {
             message: NewMessage {
-                id: MessageId::generate(0, "k"),
+                id: MessageId::generate(0, "k", Partitions::DEFAULT),
                 kind: MessageKind::Notification,
                 source: None,
                 payment_id: Some("p".into()),

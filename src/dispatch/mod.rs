@@ -350,7 +350,7 @@ impl Dispatcher {
         let Some(alert) = self
             .alerts
             .as_ref()
-            .and_then(|a| a.dead_letter(c, attempt, reason, now))
+            .and_then(|a| a.dead_letter(c, attempt, reason, now, self.store.partitions()))
         else {
             return true;
         };

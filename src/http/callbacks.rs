@@ -105,6 +105,7 @@ async fn accept(
         forward_url: source.forward_url.as_deref(),
         window: app.settings.dispatch.max_age,
         dedupe_ttl: app.settings.store.dedupe_ttl,
+        partitions: app.store.partitions(),
     };
     let now = app.clock.now_ms();
     let request = accept_request(&settings, callback, now)

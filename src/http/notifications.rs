@@ -145,6 +145,7 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<Recorded, 
     let settings = handoff::Settings {
         max_window: app.settings.dispatch.max_age,
         dedupe_ttl: app.settings.store.dedupe_ttl,
+        partitions: app.store.partitions(),
     };
     let now = app.clock.now_ms();
     let request = handoff::accept_request(&settings, notification, now)

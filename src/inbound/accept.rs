@@ -13,7 +13,9 @@ use super::dedupe::{self, KeyError};
 use crate::clock::Millis;
 use crate::config::deadline;
 use crate::digest::short_hash;
-use crate::store::{AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, SignatureSeal};
+use crate::store::{
+    AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions, SignatureSeal,
+};
 use crate::webhook::Verified;
 
 /// What accepting one source's callbacks takes from the settings.
@@ -28,6 +30,8 @@ pub struct Settings<'a> {
     pub window: Duration,
     /// How long a dedupe claim lasts (`store.dedupe_ttl_secs`).
     pub dedupe_ttl: Duration,
+    /// The store's partition count, which the message id embeds.
+    pub partitions: Partitions,
 }
 
 /// A callback whose signature verified and whose body is JSON.
@@ -79,7 +83,7 @@ pub fn accept_request(
         source.dedupe_fields,
     )?;
     let ordering_key = ordering_key(source.name, &key.transaction_id);
-    let id = MessageId::generate(now, &ordering_key);
+    let id = MessageId::generate(now, &ordering_key, source.partitions);
     let response = serde_json::to_string(&CallbackAccepted {
         message_id: id.to_string(),
     })?;
@@ -148,6 +152,7 @@ mod tests {
             forward_url: Some("https://merchant.example/cb"),
             window: 7 * DAY,
             dedupe_ttl: 30 * DAY,
+            partitions: Partitions::new(128).expect("a valid count"),
         }
     }
 
@@ -184,7 +189,8 @@ mod tests {
         assert_eq!(m.ordering_key, "src/payzu/tx1");
         assert_eq!(
             m.id.partition(),
-            MessageId::generate(NOW, "src/payzu/tx1").partition()
+            crate::store::ids::partition_of("src/payzu/tx1", settings(&fields).partitions),
+            "the partition of its ordering key in the store's count"
         );
         assert_eq!(m.id.created_at(), NOW);
         assert_eq!(m.target_url.as_deref(), Some("https://merchant.example/cb"));

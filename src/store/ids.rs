@@ -4,33 +4,36 @@
 //! Why this shape: ids sort by creation time (so a cursor is just "the last id seen", stable
 //! while new messages arrive, and a time window is an id range), and the partition is inside
 //! the id, so a lookup by id needs no secondary index to find its Redis hash slot.
+//!
+//! How many partitions there are is the store's ([`Partitions`], fixed when it is first used),
+//! so generating an id takes the count; parsing one does not: any two digits parse, and an id
+//! naming a partition the store does not have is simply not found there.
 
 use crate::clock::Millis;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// Number of queue partitions. Each partition is one Redis hash tag (one cluster slot), so
-/// all keys a script touches live together; workers claim from all of them.
-pub const PARTITIONS: u8 = 16;
+use super::partitions::Partitions;
 
 const PREFIX: &str = "msg_";
 const LEN: usize = PREFIX.len() + 12 + 2 + 14;
 /// What [`MessageId::parse`] accepts, as a regular expression (the OpenAPI document's
-/// pattern for ids and cursors): the partition digits are `00` to `0f`.
-pub const PATTERN: &str = "^msg_[0-9a-f]{12}0[0-9a-f]{15}$";
+/// pattern for ids and cursors): 12 digits of time, 2 of partition, 14 random ones.
+pub const PATTERN: &str = "^msg_[0-9a-f]{28}$";
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct MessageId(String);
 
 impl MessageId {
-    pub fn generate(now: Millis, ordering_key: &str) -> MessageId {
+    /// A new id of a message with `ordering_key`, in a store of `partitions`.
+    pub fn generate(now: Millis, ordering_key: &str, partitions: Partitions) -> MessageId {
         let random: u64 = rand::random::<u64>() & 0x00ff_ffff_ffff_ffff;
         MessageId(format!(
             "{PREFIX}{:012x}{:02x}{random:014x}",
             now.max(0),
-            partition_of(ordering_key)
+            partition_of(ordering_key, partitions)
         ))
     }
 
@@ -41,8 +44,7 @@ impl MessageId {
             && hex
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        let id = MessageId(s.to_string());
-        (well_formed && id.partition() < PARTITIONS).then_some(id)
+        well_formed.then(|| MessageId(s.to_string()))
     }
 
     /// The smallest id any message created at or after `at` can have.
@@ -69,15 +71,16 @@ impl fmt::Display for MessageId {
     }
 }
 
-/// Stable partition of an ordering key (FNV-1a: stable across processes and versions, which
-/// `std`'s randomly seeded hasher is not).
-pub fn partition_of(ordering_key: &str) -> u8 {
+/// Stable partition of an ordering key among `partitions` (FNV-1a: stable across processes and
+/// versions, which `std`'s randomly seeded hasher is not).
+pub fn partition_of(ordering_key: &str, partitions: Partitions) -> u8 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in ordering_key.bytes() {
         hash ^= u64::from(byte);
         hash = hash.wrapping_mul(0x0100_0000_01b3);
     }
-    (hash % u64::from(PARTITIONS)) as u8
+    // Below the count, which is at most 256.
+    u8::try_from(hash % u64::from(partitions.count())).unwrap_or(u8::MAX)
 }
 
 #[cfg(test)]
@@ -86,11 +89,12 @@ mod tests {
 
     #[test]
     fn ids_round_trip_and_sort_by_time() {
-        let a = MessageId::generate(1_764_460_800_000, "payzu\u{0}tx1");
-        let b = MessageId::generate(1_764_460_800_001, "payzu\u{0}tx1");
+        let p = Partitions::DEFAULT;
+        let a = MessageId::generate(1_764_460_800_000, "payzu\u{0}tx1", p);
+        let b = MessageId::generate(1_764_460_800_001, "payzu\u{0}tx1", p);
         assert!(a < b);
         assert_eq!(a.created_at(), 1_764_460_800_000);
-        assert_eq!(a.partition(), partition_of("payzu\u{0}tx1"));
+        assert_eq!(a.partition(), partition_of("payzu\u{0}tx1", p));
         assert_eq!(MessageId::parse(a.as_str()), Some(a.clone()));
         assert!(MessageId::lower_bound(1_764_460_800_000) < a);
         assert!(MessageId::lower_bound(1_764_460_800_001) > a);
@@ -105,17 +109,43 @@ mod tests {
             "msg_0000000000001g00000000000000",
             "../etc/passwd",
             "msg_00000000000120000000000000000",
+            "msg_000000000001F0000000000000000",
         ] {
             assert_eq!(MessageId::parse(bad), None, "{bad}");
         }
     }
 
+    /// Any two partition digits parse: whether the store has that partition is the store's
+    /// question (an id it does not have is not found).
     #[test]
-    fn partitions_spread() {
-        let mut seen = [false; PARTITIONS as usize];
-        for i in 0..1000 {
-            seen[partition_of(&format!("pay-{i}")) as usize] = true;
+    fn parse_accepts_every_partition() {
+        for partition in ["00", "0f", "10", "7f", "ff"] {
+            let id = format!("msg_000000000001{partition}00000000000000");
+            let parsed = MessageId::parse(&id).expect("parses");
+            assert_eq!(format!("{:02x}", parsed.partition()), partition);
         }
-        assert!(seen.iter().all(|s| *s));
+    }
+
+    #[test]
+    fn partitions_spread_over_every_count() {
+        for count in [1, 16, 64, 128, 256] {
+            let partitions = Partitions::new(count).expect("a valid count");
+            let mut seen = vec![false; usize::from(count)];
+            for i in 0..20_000 {
+                let p = partition_of(&format!("pay-{i}"), partitions);
+                assert!(partitions.contains(p));
+                seen[usize::from(p)] = true;
+            }
+            assert!(seen.iter().all(|s| *s), "every one of {count} partitions used");
+        }
+    }
+
+    /// The partition of an ordering key at the legacy count is what every earlier release
+    /// computed, so their queued messages stay where they are.
+    #[test]
+    fn the_legacy_count_keeps_the_partition_of_earlier_releases() {
+        assert_eq!(partition_of("payzu\u{0}tx1", Partitions::LEGACY), 3);
+        assert_eq!(partition_of("pay/1", Partitions::LEGACY), 9);
+        assert_eq!(partition_of("pay/1", Partitions::DEFAULT), 25);
     }
 }

@@ -12,6 +12,7 @@
 
 pub mod ids;
 pub mod lifecycle;
+pub mod partitions;
 pub mod redis;
 pub mod sqlite;
 pub mod sweeper;
@@ -23,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 pub use ids::MessageId;
+pub use partitions::Partitions;
 
 use crate::clock::Millis;
 
@@ -50,6 +52,10 @@ pub enum StoreError {
     /// writer). Also mapped to 503 rather than risking a wrong 2xx.
     #[error("store data corrupt: {0}")]
     Corrupt(String),
+    /// The store was set up in a way the configuration contradicts (`store.partitions`): it
+    /// refuses to start rather than serve a store it would damage.
+    #[error("{0}")]
+    Incompatible(String),
 }
 
 /// Inbound callback from a provider, or outbound notification from a connector.
@@ -537,6 +543,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Readiness: the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// The store's partition count, fixed when it was first used: new message ids are
+    /// generated for it ([`MessageId::generate`]).
+    fn partitions(&self) -> Partitions;
 }
 
 /// Whether a record passes every filter of a listing (the parts an index did not answer).

@@ -304,14 +304,17 @@ pub async fn virtual_loop_server(
 }
 
 /// A notification's accept request with `dedupe_key`, ordered by `ordering_key`, accepted at
-/// `now`: what tests of the store's plumbing (TLS, key prefixes) send through it.
+/// `now` into a new store (the default partition count): what tests of the store's plumbing
+/// (TLS, key prefixes) send through it.
 pub fn notification_request(
     dedupe_key: &str,
     ordering_key: &str,
     now: callbackd::clock::Millis,
 ) -> callbackd::store::AcceptRequest {
-    use callbackd::store::{AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage};
-    let id = MessageId::generate(now, ordering_key);
+    use callbackd::store::{
+        AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions,
+    };
+    let id = MessageId::generate(now, ordering_key, Partitions::DEFAULT);
     AcceptRequest {
         dedupe: DedupeClaim {
             key: dedupe_key.to_string(),

@@ -129,8 +129,9 @@ pub(super) async fn claim(
     // PARTITIONS messages when asked for one, and a caller sizes `limit` to its free
     // workers. So first count what each partition has, then ask each for its share.
     let available = claimable_per_partition(store, now).await?;
-    let start = store.next_claim_start.fetch_add(1, Ordering::Relaxed);
-    let quotas = spread(limit, &available, start);
+    let start = store.next_claim_start.load(Ordering::Relaxed);
+    let (quotas, next_start) = spread(limit, &available, start);
+    store.next_claim_start.store(next_start, Ordering::Relaxed);
     if quotas.iter().all(|q| *q == 0) {
         return Ok(Vec::new());
     }
@@ -183,26 +184,32 @@ async fn claimable_per_partition(
 }
 
 /// Shares `limit` among partitions one message at a time, round-robin from `start`, never
-/// giving a partition more than it has available. The quotas sum to at most `limit`.
-fn spread(limit: usize, available: &[usize], start: usize) -> Vec<usize> {
+/// giving a partition more than it has available. The quotas sum to at most `limit`. Also
+/// returns where the next claim starts: after the partition that got the last message, so
+/// with a small limit every partition with work gets its turn in order, however many idle
+/// partitions lie between them (a start that merely moved by one would hand the first busy
+/// partition after a long idle run every turn that starts in that run).
+fn spread(limit: usize, available: &[usize], start: usize) -> (Vec<usize>, usize) {
     let n = available.len();
     let mut quotas = vec![0; n];
+    let mut next_start = start;
     let mut left = limit;
     loop {
         let mut gave = false;
         for i in 0..n {
             if left == 0 {
-                return quotas;
+                return (quotas, next_start);
             }
             let p = (start + i) % n;
             if quotas[p] < available[p] {
                 quotas[p] += 1;
                 left -= 1;
                 gave = true;
+                next_start = (p + 1) % n;
             }
         }
         if !gave {
-            return quotas;
+            return (quotas, next_start);
         }
     }
 }
@@ -399,7 +406,7 @@ mod tests {
         let available = [0, 3, 0, 1, 10, 0];
         for limit in 0..20 {
             for start in 0..available.len() {
-                let quotas = spread(limit, &available, start);
+                let (quotas, _) = spread(limit, &available, start);
                 let total: usize = quotas.iter().sum();
                 assert_eq!(total, limit.min(14), "limit {limit} start {start}");
                 assert!(quotas.iter().zip(&available).all(|(q, a)| q <= a));
@@ -409,8 +416,25 @@ mod tests {
 
     #[test]
     fn spread_shares_round_robin_from_the_start() {
-        assert_eq!(spread(3, &[5, 5, 5, 5], 1), vec![0, 1, 1, 1]);
-        assert_eq!(spread(6, &[5, 5, 5, 5], 3), vec![2, 1, 1, 2]);
-        assert_eq!(spread(4, &[0, 0], 0), vec![0, 0]);
+        assert_eq!(spread(3, &[5, 5, 5, 5], 1), (vec![0, 1, 1, 1], 0));
+        assert_eq!(spread(6, &[5, 5, 5, 5], 3), (vec![2, 1, 1, 2], 1));
+        assert_eq!(spread(4, &[0, 0], 0), (vec![0, 0], 0));
+    }
+
+    /// Claims of one message at a time over 128 partitions, two of them with work far apart:
+    /// they alternate, as they would with no idle partition between them.
+    #[test]
+    fn busy_partitions_take_turns_however_many_are_idle() {
+        let mut available = vec![0; 128];
+        available[3] = 1000;
+        available[90] = 1000;
+        let mut start = 0;
+        let mut served = Vec::new();
+        for _ in 0..6 {
+            let (quotas, next) = spread(1, &available, start);
+            served.push(quotas.iter().position(|q| *q == 1).expect("one served"));
+            start = next;
+        }
+        assert_eq!(served, vec![3, 90, 3, 90, 3, 90]);
     }
 }

@@ -1,7 +1,8 @@
 //! The Redis key layout, version [`SCHEMA_VERSION`]: every name the engine reads or writes.
 //!
 //! Ready for Redis Cluster: every key of a message lives under the hash tag of its partition,
-//! `cb:{pNN}:`, derived from the ordering key, so each script touches one slot.
+//! `cb:{pNN}:` (`NN` in decimal, `00` up to the store's count, `store.partitions`), derived
+//! from the ordering key, so each script touches one slot.
 //!
 //! `cb` is the default of `store.key_prefix` ([`KeySpace`]): every name below starts with the
 //! configured prefix instead, so deployments sharing one Redis never see each other's keys.
@@ -34,8 +35,9 @@
 //! | `kh` | [`key_hash`] of the ordering key, so the sweeper finds `ix:k:<kh>` |
 //! | `hn` | history rows ever recorded, kept or dropped |
 //!
-//! Outside the partitions: `cb:schema` (the layout version), `cb:upgrading` (the upgrade
-//! lock) and `cb:op:<hash>` (resend operations, which belong to no message), all under the
+//! Outside the partitions: `cb:schema` (the layout version), `cb:partitions` (the partition
+//! count, fixed at first use; a store without it has 16), `cb:upgrading` (the upgrade lock)
+//! and `cb:op:<hash>` (resend operations, which belong to no message), all under the
 //! configured prefix too.
 //!
 //! The scripts build some names themselves from the partition prefix (`m:`, `a:` and `ix:k:`
@@ -45,7 +47,8 @@
 //! [`SCHEMA_VERSION`] with an upgrade from the old one.
 
 use crate::digest::short_hash;
-use crate::store::ids::{PARTITIONS, partition_of};
+use crate::store::ids::partition_of;
+use crate::store::partitions::Partitions;
 use crate::store::{MessageId, MessageState};
 
 /// The layout this binary writes. 1: the first release (TTLs only, global trims);
@@ -79,43 +82,63 @@ pub fn key_prefix_problem(prefix: &str) -> Option<&'static str> {
     }
 }
 
-/// Every key name of one deployment: all start with its prefix.
+/// Every key name of one deployment: all start with its prefix, and its messages' keys lie in
+/// its partitions.
 #[derive(Debug, Clone)]
-pub(super) struct KeySpace(String);
+pub(super) struct KeySpace {
+    prefix: String,
+    partitions: Partitions,
+}
 
 impl KeySpace {
     /// Takes a prefix [`key_prefix_problem`] accepted.
-    pub(super) fn new(prefix: &str) -> KeySpace {
-        KeySpace(prefix.to_string())
+    pub(super) fn new(prefix: &str, partitions: Partitions) -> KeySpace {
+        KeySpace {
+            prefix: prefix.to_string(),
+            partitions,
+        }
+    }
+    pub(super) fn partitions(&self) -> Partitions {
+        self.partitions
+    }
+    /// Whether `id` names one of the store's partitions: an id from another store (or made
+    /// up) may not, and then names no key here.
+    pub(super) fn holds(&self, id: &MessageId) -> bool {
+        self.partitions.contains(id.partition())
     }
     /// Holds the layout version of the store.
     pub(super) fn schema(&self) -> String {
-        format!("{}:schema", self.0)
+        format!("{}:schema", self.prefix)
+    }
+    /// Holds the partition count, fixed when the store was first used.
+    pub(super) fn partition_count(&self) -> String {
+        format!("{}:partitions", self.prefix)
     }
     /// Held by the one process upgrading an older layout.
     pub(super) fn upgrade_lock(&self) -> String {
-        format!("{}:upgrading", self.0)
+        format!("{}:upgrading", self.prefix)
     }
     /// SCAN pattern of every partition key of every layout.
     pub(super) fn partition_pattern(&self) -> String {
-        format!("{}:{{p*}}:*", self.0)
+        format!("{}:{{p*}}:*", self.prefix)
     }
     /// The record of a resend operation.
     pub(super) fn operation(&self, key: &str) -> String {
-        format!("{}:op:{}", self.0, short_hash(key.as_bytes()))
+        format!("{}:op:{}", self.prefix, short_hash(key.as_bytes()))
     }
     pub(super) fn of_partition(&self, partition: u8) -> Keys {
-        Keys(format!("{}:{{p{partition:02}}}:", self.0))
+        Keys(format!("{}:{{p{partition:02}}}:", self.prefix))
     }
-    /// Every partition, in order.
+    /// Every partition of the store, in order.
     pub(super) fn all(&self) -> impl Iterator<Item = Keys> + '_ {
-        (0..PARTITIONS).map(|p| self.of_partition(p))
+        self.partitions.all().map(|p| self.of_partition(p))
     }
+    /// Takes an id the store [`holds`](KeySpace::holds): one it generated, or checked.
     pub(super) fn of_id(&self, id: &MessageId) -> Keys {
         self.of_partition(id.partition())
     }
     pub(super) fn of_ordering_key(&self, ordering_key: &str) -> Keys {
-        self.of_partition(partition_of(ordering_key))
+        self.of_partition(partition_of(ordering_key, self.partitions))
     }
 }
 

@@ -19,6 +19,8 @@
 //!   entries). Redis TTLs on the string keys bound memory even without a sweeper.
 //! - **A versioned layout.** The version is in `cb:schema` (`cb` being `store.key_prefix`); [`RedisStore::upgrade`] brings an
 //!   older layout up to date in place (`upgrade.rs`).
+//! - **A fixed partition count.** `cb:partitions` records `store.partitions` when the store is
+//!   first used; every later connection takes it from there (`partitions.rs`).
 //!
 //! - **Replica acknowledgement on request.** With `store.min_replicas_acked = N` every write is
 //!   followed by `WAIT N` in the same round trip ([`RedisStore::write`]); fewer acks within
@@ -30,6 +32,7 @@
 
 mod commands;
 mod keys;
+mod partitions;
 mod reads;
 mod upgrade;
 
@@ -46,9 +49,10 @@ use serde::Serialize;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
     Lease, ListFilter, MessageId, MessageRecord, NewMessage, OperationReservation, Page,
-    QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    Partitions, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
+use crate::store::ids::partition_of;
 use commands::Scripts;
 use keys::KeySpace;
 
@@ -62,6 +66,9 @@ pub struct RedisOptions {
     pub key_prefix: String,
     /// Certificates for a `rediss://` URL; without them the system's roots are trusted.
     pub tls: Option<RedisTls>,
+    /// `store.partitions` when set: a new store records it, an existing one must agree with
+    /// its own. `None` keeps what the store has (the default for a new one).
+    pub partitions: Option<Partitions>,
 }
 
 impl Default for RedisOptions {
@@ -69,6 +76,7 @@ impl Default for RedisOptions {
         RedisOptions {
             key_prefix: DEFAULT_KEY_PREFIX.to_string(),
             tls: None,
+            partitions: None,
         }
     }
 }
@@ -136,8 +144,8 @@ pub struct RedisStore {
     min_replicas_acked: u32,
     /// How long a `WAIT` blocks, inside the round trip's timeout.
     wait_timeout_ms: u64,
-    /// Partition that gets the first share of the next claim, rotated so a small `limit`
-    /// does not always favour the low partitions.
+    /// Partition that gets the first share of the next claim: the one after the partition
+    /// the previous claim served last, so a small `limit` serves busy partitions in turn.
     next_claim_start: AtomicUsize,
 }
 
@@ -152,7 +160,9 @@ impl RedisStore {
         RedisStore::connect_with(url, timeout, retention_secs, &RedisOptions::default()).await
     }
 
-    /// [`RedisStore::connect`] with a key prefix and TLS certificates.
+    /// [`RedisStore::connect`] with a key prefix, TLS certificates and a partition count. The
+    /// store's count is read here, without writing anything: a configured count that
+    /// contradicts it is refused ([`crate::store::partitions::settle`]).
     pub async fn connect_with(
         url: &str,
         timeout: Duration,
@@ -188,17 +198,22 @@ impl RedisStore {
                     ))
                 })?
                 .map_err(unavailable)?;
-        Ok(RedisStore {
+        let mut store = RedisStore {
             conn,
             scripts: Scripts::new(),
-            keys: KeySpace::new(&options.key_prefix),
+            // Only the names outside the partitions are used before the count is settled.
+            keys: KeySpace::new(&options.key_prefix, Partitions::LEGACY),
             retention_secs,
             payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
             store_clock_leases: true,
             min_replicas_acked: 0,
             wait_timeout_ms: wait_timeout_ms(timeout),
             next_claim_start: AtomicUsize::new(0),
-        })
+        };
+        let found = store.found_partitions().await?;
+        let partitions = crate::store::partitions::settle(options.partitions, found)?;
+        store.keys = KeySpace::new(&options.key_prefix, partitions);
+        Ok(store)
     }
 
     /// How long a payment's status outlives its last transition (at least the retention).
@@ -448,6 +463,19 @@ fn field<T: FromStr>(fields: &HashMap<String, String>, name: &str) -> Option<T> 
 #[async_trait]
 impl Store for RedisStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
+        let message = &req.message;
+        let partition = partition_of(&message.ordering_key, self.partitions());
+        // Every key of the request lives in the id's partition: an id made for another count
+        // would put its dedupe claim where a retry with a right id never looks.
+        if message.id.partition() != partition {
+            return Err(corrupt(format!(
+                "message {} names partition {}, but its ordering key is in partition {partition} \
+                 of this store's {}",
+                message.id,
+                message.id.partition(),
+                self.partitions()
+            )));
+        }
         commands::accept(self, &req, now).await
     }
 
@@ -475,6 +503,9 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError> {
+        if !self.keys.holds(id) {
+            return Ok(None);
+        }
         reads::get(self, id).await
     }
 
@@ -489,6 +520,9 @@ impl Store for RedisStore {
         fresh_deadline: Millis,
         now: Millis,
     ) -> Result<ResendEffect, StoreError> {
+        if !self.keys.holds(id) {
+            return Ok(ResendEffect::Skipped);
+        }
         commands::resend(self, id, mark, fresh_deadline, now).await
     }
 
@@ -533,5 +567,9 @@ impl Store for RedisStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.send::<String>(&redis::cmd("PING")).await.map(|_| ())
+    }
+
+    fn partitions(&self) -> Partitions {
+        self.keys.partitions()
     }
 }

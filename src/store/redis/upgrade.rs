@@ -38,6 +38,7 @@ impl RedisStore {
     /// Brings the store to [`SCHEMA_VERSION`] and returns the version it found. A new store
     /// is stamped; a version-1 store (no version key, but data) is upgraded in place; a
     /// store newer than this binary is refused.
+    /// The partition count is recorded first, if it is not yet (`partitions.rs`).
     pub async fn upgrade(&self, now: Millis) -> Result<u32, StoreError> {
         let schema_key = self.keys.schema();
         let found: Option<u32> = self.send(&Cmd::get(&schema_key)).await?;
@@ -52,6 +53,7 @@ impl RedisStore {
                  callbackd understands ({SCHEMA_VERSION}); run a newer callbackd"
             )));
         }
+        self.record_partitions().await?;
         if found == SCHEMA_VERSION {
             // A new store is stamped; stamping an up-to-date one again changes nothing.
             return self
@@ -61,7 +63,7 @@ impl RedisStore {
         }
         // One process upgrades; the others wait for the version key and serve only then, so
         // nothing is written in the new layout while an old-layout read is in flight.
-        let token = MessageId::generate(now, "upgrade").to_string();
+        let token = MessageId::generate(now, "upgrade", self.keys.partitions()).to_string();
         let mut lock = redis::cmd("SET");
         lock.arg(self.keys.upgrade_lock())
             .arg(&token)
@@ -100,7 +102,7 @@ impl RedisStore {
     }
 
     /// True when the store holds any partition key (so a missing version means version 1).
-    async fn has_data(&self) -> Result<bool, StoreError> {
+    pub(super) async fn has_data(&self) -> Result<bool, StoreError> {
         let mut cursor = 0u64;
         loop {
             let (next, keys) = self.scan_step(cursor).await?;

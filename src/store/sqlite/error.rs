@@ -48,5 +48,8 @@ pub(super) fn context(path: &Path, e: StoreError) -> StoreError {
         StoreError::Corrupt(m) => {
             StoreError::Corrupt(format!("SQLite database {}: {m}", path.display()))
         }
+        StoreError::Incompatible(m) => {
+            StoreError::Incompatible(format!("SQLite database {}: {m}", path.display()))
+        }
     }
 }

@@ -10,11 +10,17 @@
 //! | 1 | the first release | seals, history counts, histories trimmed, payments kept longer |
 //! | 2 | up to commit acd07d8 | columns named after what they hold (Lua-derived before) |
 //! | 3 | now | `schema.sql` |
+//!
+//! Beside the layout, the `partitions` table records the store's partition count
+//! (`store.partitions`, [`settle_partitions`]). It is an addition, not a new layout: a store
+//! without it was created before the count was recorded, with 16 partitions, and gets the table
+//! when it is next opened.
 
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::error::Db;
 use crate::store::StoreError;
+use crate::store::partitions::{self, Found, Partitions};
 
 /// The layout `schema.sql` creates.
 pub(super) const VERSION: i64 = 3;
@@ -62,9 +68,17 @@ DROP INDEX claims_by_expiry;
 CREATE INDEX dedupe_claims_by_expiry ON dedupe_claims (expires_at);
 "#;
 
-/// Brings the database to [`VERSION`]. `payment_extension_ms`: how much longer payment states
-/// live now than in version 1, where they expired with the dedupe claims.
-pub(super) fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<(), StoreError> {
+/// One row: the partition count, fixed when the store was first used.
+const PARTITIONS_TABLE: &str = "
+CREATE TABLE IF NOT EXISTS partitions (
+    only  INTEGER PRIMARY KEY CHECK (only = 1),
+    count INTEGER NOT NULL
+)";
+
+/// Brings the database to [`VERSION`] and returns the version it found (0: a new database).
+/// `payment_extension_ms`: how much longer payment states live now than in version 1, where
+/// they expired with the dedupe claims.
+pub(super) fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<i64, StoreError> {
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .db()?;
@@ -75,7 +89,8 @@ pub(super) fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<()
         )));
     }
     if version <= 0 {
-        return step(conn, VERSION, |tx| tx.execute_batch(SCHEMA).db());
+        step(conn, VERSION, |tx| tx.execute_batch(SCHEMA).db())?;
+        return Ok(0);
     }
     if version < 2 {
         step(conn, 2, |tx| {
@@ -91,7 +106,47 @@ pub(super) fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<()
     if version < 3 {
         step(conn, 3, |tx| tx.execute_batch(TO_V3).db())?;
     }
-    Ok(())
+    Ok(version)
+}
+
+/// The partition count of the store, recorded on first use: `configured` (`store.partitions`,
+/// when set) must agree with what the database holds ([`partitions::settle`]). `found_version`
+/// is what [`migrate`] found: 0 for a new database, which takes `configured` or the default;
+/// any other without a record was created when every store had 16 partitions.
+pub(super) fn settle_partitions(
+    conn: &Connection,
+    configured: Option<Partitions>,
+    found_version: i64,
+) -> Result<Partitions, StoreError> {
+    let tx = conn.unchecked_transaction().db()?;
+    tx.execute_batch(PARTITIONS_TABLE).db()?;
+    let recorded: Option<i64> = tx
+        .query_row("SELECT count FROM partitions", [], |r| r.get(0))
+        .optional()
+        .db()?;
+    let found = match recorded {
+        Some(count) => Found::Recorded(
+            u16::try_from(count)
+                .ok()
+                .and_then(Partitions::new)
+                .ok_or_else(|| {
+                    StoreError::Corrupt(format!(
+                        "the partitions table holds {count}, not a count of 1 to {}",
+                        Partitions::MAX
+                    ))
+                })?,
+        ),
+        None if found_version <= 0 => Found::Empty,
+        None => Found::Unrecorded,
+    };
+    let partitions = partitions::settle(configured, found)?;
+    tx.execute(
+        "INSERT OR IGNORE INTO partitions (only, count) VALUES (1, ?1)",
+        params![partitions.count()],
+    )
+    .db()?;
+    tx.commit().db()?;
+    Ok(partitions)
 }
 
 /// Runs one upgrade and stamps its version in the same transaction.

@@ -25,7 +25,7 @@
 //! | `writer.rs` | the group-commit engine, with no domain logic |
 //! | `accept.rs`, `commands.rs` | the lifecycle transactions; the rules they follow are `store::lifecycle`'s (src/store/lifecycle.rs) |
 //! | `reads.rs` | the reads |
-//! | `schema.sql`, `migrate.rs` | the tables and what each column holds; upgrades of older layouts |
+//! | `schema.sql`, `migrate.rs` | the tables and what each column holds; upgrades of older layouts; the recorded partition count |
 
 mod accept;
 mod commands;
@@ -51,7 +51,7 @@ use self::writer::Writer;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
     HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
-    QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    Partitions, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 
@@ -72,6 +72,9 @@ pub struct SqliteOptions {
     /// How long a payment's status outlives its last transition (raised to the retention if
     /// shorter).
     pub payment_retention_secs: u64,
+    /// `store.partitions` when set: a new database records it, an existing one must agree
+    /// with its own. `None` keeps what the database has (the default for a new one).
+    pub partitions: Option<Partitions>,
 }
 
 impl Default for SqliteOptions {
@@ -81,6 +84,7 @@ impl Default for SqliteOptions {
             max_page_count: None,
             timeout: Duration::from_secs(5),
             payment_retention_secs: DEFAULT_PAYMENT_RETENTION_SECS,
+            partitions: None,
         }
     }
 }
@@ -96,6 +100,9 @@ pub struct SqliteStore {
     retention_ms: i64,
     payment_retention_ms: i64,
     timeout: Duration,
+    /// The partition count the database records. SQLite itself has one queue; the count is
+    /// kept so that ids stay what they would be on any engine.
+    partitions: Partitions,
     path: PathBuf,
     _lock: File,
 }
@@ -133,7 +140,9 @@ impl SqliteStore {
         configure(&writer, &options).map_err(|e| context(path, e))?;
         let retention_ms = secs_to_ms(retention_secs);
         let payment_retention_ms = secs_to_ms(options.payment_retention_secs.max(retention_secs));
-        migrate::migrate(&writer, payment_retention_ms - retention_ms)
+        let found_version = migrate::migrate(&writer, payment_retention_ms - retention_ms)
+            .map_err(|e| context(path, e))?;
+        let partitions = migrate::settle_partitions(&writer, options.partitions, found_version)
             .map_err(|e| context(path, e))?;
 
         // Read-only: the reader can never write by mistake.
@@ -157,6 +166,7 @@ impl SqliteStore {
             retention_ms,
             payment_retention_ms,
             timeout: options.timeout,
+            partitions,
             path: path.to_path_buf(),
             _lock: lock,
         })
@@ -445,5 +455,9 @@ impl Store for SqliteStore {
                     .map(|_| ())
             })
             .await
+    }
+
+    fn partitions(&self) -> Partitions {
+        self.partitions
     }
 }

@@ -7,7 +7,7 @@ mod delivery;
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::store::{DedupeClaim, MessageKind, PaymentTransition, SignatureSeal};
+use crate::store::{DedupeClaim, MessageKind, Partitions, PaymentTransition, SignatureSeal};
 
 /// 2025-11-30T00:00:00Z: ids encode creation time, so times must be realistic.
 const T0: Millis = 1_764_460_800_000;
@@ -22,7 +22,7 @@ const LIFETIMES: Lifetimes = Lifetimes {
 
 fn new_message(ordering_key: &str, now: Millis) -> NewMessage {
     NewMessage {
-        id: MessageId::generate(now, ordering_key),
+        id: MessageId::generate(now, ordering_key, Partitions::DEFAULT),
         kind: MessageKind::Notification,
         source: None,
         payment_id: None,
@@ -352,7 +352,7 @@ fn resend_from_each_state() {
 #[test]
 fn resend_of_an_unknown_id_is_skipped() {
     let mut m = Model::new(LIFETIMES);
-    let unknown = MessageId::generate(T0, "pay/none");
+    let unknown = MessageId::generate(T0, "pay/none", Partitions::DEFAULT);
     assert_eq!(
         resend(&mut m, &unknown, mark(T0), T0 + DAY, T0),
         ResendEffect::Skipped
