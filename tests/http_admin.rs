@@ -83,6 +83,11 @@ async fn inspect_a_message_that_failed_three_times() {
         .await;
     assert_eq!(missing.status(), 404);
     assert_eq!(missing.json::<Value>().await.unwrap()["error"], "not_found");
+    // Well formed, in partition 0xff, which a store of the default 64 does not have.
+    let elsewhere = server
+        .admin_get("/v1/messages/msg_000000000001ff00000000000000")
+        .await;
+    assert_eq!(elsewhere.status(), 404);
     assert_eq!(
         server.admin_get("/v1/messages/../../etc").await.status(),
         404

@@ -96,6 +96,9 @@ fn errors_name_the_key() {
             "[store]\nmin_replicas_acked = 1\n",
             "store.min_replicas_acked",
         ),
+        ("[store]\npartitions = 0\n", "store.partitions"),
+        ("[store]\npartitions = 257\n", "store.partitions"),
+        ("[store]\npartitions = -1\n", "store.partitions"),
         ("[sources.p]\nsignature = \"payzu\"\n", "sources.p.secrets"),
         (
             "[sources.p]\nsignature = \"standard-webhooks\"\nsecrets = [\"whsec_!!\"]\n",
@@ -359,6 +362,24 @@ fn env_values_that_fit_no_reading_keep_their_first_error() {
         let err = load("", &[(var, value)]).unwrap_err().to_string();
         assert!(err.starts_with(message), "{var}={value}: `{err}`");
     }
+}
+
+#[test]
+fn partitions_are_the_stores_unless_set() {
+    let unset = load("", &[]).unwrap();
+    assert_eq!(unset.store.partitions, None);
+    assert_eq!(Settings::from_config(&unset).unwrap().store.partitions, None);
+    let set = load("[store]\npartitions = 128\n", &[]).unwrap();
+    assert_eq!(
+        Settings::from_config(&set).unwrap().store.partitions,
+        crate::store::Partitions::new(128)
+    );
+    let env = load("", &[("CALLBACKD__STORE__PARTITIONS", "256")]).unwrap();
+    assert_eq!(env.store.partitions, Some(256));
+    let err = load("[store]\npartitions = 300\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("must be 1 to 256 (got 300)"), "{err}");
 }
 
 #[test]
