@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use callbackd::clock::Millis;
 use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
-use callbackd::store::partitions::Partitions;
 use callbackd::store::lifecycle::{self, Lifetimes, Model};
+use callbackd::store::partitions::Partitions;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::SqliteStore;
 use callbackd::store::{

@@ -90,7 +90,8 @@ impl Recorded for Db<'_> {
             .ok()
     }
     fn forget(&self) {
-        self.0.cli(&["-n", &self.1.to_string(), "DEL", "cb:partitions"]);
+        self.0
+            .cli(&["-n", &self.1.to_string(), "DEL", "cb:partitions"]);
     }
 }
 

@@ -368,7 +368,10 @@ fn env_values_that_fit_no_reading_keep_their_first_error() {
 fn partitions_are_the_stores_unless_set() {
     let unset = load("", &[]).unwrap();
     assert_eq!(unset.store.partitions, None);
-    assert_eq!(Settings::from_config(&unset).unwrap().store.partitions, None);
+    assert_eq!(
+        Settings::from_config(&unset).unwrap().store.partitions,
+        None
+    );
     let set = load("[store]\npartitions = 128\n", &[]).unwrap();
     assert_eq!(
         Settings::from_config(&set).unwrap().store.partitions,

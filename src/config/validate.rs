@@ -12,8 +12,8 @@ use super::{
     Config, ConfigError, LEASE_MARGIN_MS, MAX_MIN_REPLICAS_ACKED, MAX_SWEEP_INTERVAL_SECS,
     StoreLocation, invalid,
 };
-use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls, key_prefix_problem};
 use crate::store::partitions::Partitions;
+use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls, key_prefix_problem};
 
 /// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
 /// 128 bits, which nobody guesses.

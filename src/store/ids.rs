@@ -136,7 +136,10 @@ mod tests {
                 assert!(partitions.contains(p));
                 seen[usize::from(p)] = true;
             }
-            assert!(seen.iter().all(|s| *s), "every one of {count} partitions used");
+            assert!(
+                seen.iter().all(|s| *s),
+                "every one of {count} partitions used"
+            );
         }
     }
 

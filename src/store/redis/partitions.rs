@@ -5,7 +5,6 @@
 //! store is first written to. A store without the key was created before the count was
 //! recorded, with 16 partitions, unless it holds nothing at all yet.
 
-
 use super::RedisStore;
 use crate::store::StoreError;
 use crate::store::partitions::{Found, Partitions};
@@ -15,7 +14,8 @@ impl RedisStore {
     /// used (a layout version stamped, or partition keys), or nothing stored yet.
     pub(super) async fn found_partitions(&self) -> Result<Found, StoreError> {
         let mut read = redis::pipe();
-        read.get(self.keys.partition_count()).get(self.keys.schema());
+        read.get(self.keys.partition_count())
+            .get(self.keys.schema());
         let (recorded, schema): (Option<String>, Option<String>) = self.send(&read).await?;
         if let Some(recorded) = recorded {
             return self.parse_count(&recorded).map(Found::Recorded);
