@@ -216,6 +216,31 @@ fn check_config(config: &std::path::Path, env: &[(&str, &str)]) -> std::process:
         .unwrap()
 }
 
+/// `check-config` says which partition count a store will have, and refuses one out of range.
+#[test]
+fn check_config_reports_the_partition_count() {
+    let example = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config.toml"));
+    let unset = check_config(example, &[]);
+    let stdout = String::from_utf8_lossy(&unset.stdout);
+    assert!(
+        stdout.contains("partitions: the store's own") && stdout.contains("64 for a new store"),
+        "{stdout}"
+    );
+    let set = check_config(example, &[("CALLBACKD__STORE__PARTITIONS", "128")]);
+    let stdout = String::from_utf8_lossy(&set.stdout);
+    assert!(
+        stdout.contains("partitions: 128 (store.partitions)"),
+        "{stdout}"
+    );
+    let zero = check_config(example, &[("CALLBACKD__STORE__PARTITIONS", "0")]);
+    assert_eq!(zero.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&zero.stderr);
+    assert!(
+        stderr.contains("store.partitions") && stderr.contains("must be 1 to 256"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn check_config_refuses_the_example_secrets_off_loopback() {
     let example = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config.toml"));
