@@ -122,6 +122,10 @@ fn start_or_refuse(verdict: Verdict, refused: fn(String) -> StartError) -> Resul
 pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, StartError> {
     let settings = Settings::from_config(&config).map_err(|e| StartError::Setup(e.to_string()))?;
     let store = open_store(&settings.store).await?;
+    tracing::info!(
+        partitions = store.partitions().count(),
+        "the store's partition count"
+    );
     Ok(Arc::new(App::with_settings(settings, store, clock)))
 }
 

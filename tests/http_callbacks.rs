@@ -375,11 +375,16 @@ async fn bad_requests_get_json_errors_and_change_nothing() {
     assert_eq!(
         redis.cli(&["GET", "cb:schema"]),
         "2",
-        "the layout version is the one key written at start-up"
+        "the layout version is written at start-up"
+    );
+    assert_eq!(
+        redis.cli(&["GET", "cb:partitions"]),
+        "64",
+        "and so is the partition count"
     );
     assert_eq!(
         redis.cli(&["dbsize"]),
-        "1",
+        "2",
         "nothing else at all was written"
     );
 
