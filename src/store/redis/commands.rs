@@ -125,9 +125,9 @@ pub(super) async fn claim(
     if limit == 0 {
         return Ok(Vec::new());
     }
-    // Asking every partition for `limit / PARTITIONS` (rounded up) would lease up to
-    // PARTITIONS messages when asked for one, and a caller sizes `limit` to its free
-    // workers. So first count what each partition has, then ask each for its share.
+    // Asking every partition for `limit / partitions` (rounded up) would lease one message
+    // per partition when asked for one, and a caller sizes `limit` to its free workers. So
+    // first count what each partition has, then ask each for its share.
     let available = claimable_per_partition(store, now).await?;
     let start = store.next_claim_start.load(Ordering::Relaxed);
     let (quotas, next_start) = spread(limit, &available, start);
