@@ -1,6 +1,8 @@
 -- The SQLite store's layout, version 3: what a new database is created with. Older databases
 -- are brought here by the upgrades in migrate.rs; the upgraded schema must equal this one
 -- (tests/store_contract.rs checks it on the fixtures of versions 1 and 2).
+-- Beside it, every database gets the one-row `partitions` table, the partition count recorded
+-- at first use (migrate.rs, settle_partitions): an addition that needs no new version.
 --
 -- Times are milliseconds since the epoch, taken from the caller's `now`. A row whose
 -- `expires_at` is past is ignored at once and deleted later, in bounded batches, by the sweep.
