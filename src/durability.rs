@@ -21,16 +21,58 @@ pub enum Verdict {
     Start { warnings: Vec<String> },
 }
 
-/// Reads the settings of `store`'s Redis and judges them.
+/// Reads the settings of `store`'s Redis (every master of a cluster) and judges them.
 pub async fn check_redis(store: &RedisStore, require_durable: bool) -> Result<Verdict, StoreError> {
-    Ok(judge(
-        store.durability_settings().await?.as_ref(),
-        require_durable,
-    ))
+    Ok(worst(store.durability_settings().await?.into_iter().map(
+        |(primary, settings)| (primary, judge(settings.as_ref(), require_durable)),
+    )))
 }
 
-/// Reads how many replicas `store`'s Redis has connected and judges them against `wanted`
-/// (`store.min_replicas_acked`); nothing is read when `wanted` is 0.
+/// One verdict for the verdicts of several primaries (a cluster's masters, by name): a
+/// refusal when any refuses, else every warning. Alike verdicts are said once; else each
+/// message names its primary.
+pub fn worst(verdicts: impl IntoIterator<Item = (Option<String>, Verdict)>) -> Verdict {
+    let verdicts: Vec<(Option<String>, Verdict)> = verdicts.into_iter().collect();
+    let alike = verdicts.windows(2).all(|pair| pair[0].1 == pair[1].1);
+    if alike {
+        if let Some((_, verdict)) = verdicts.into_iter().next() {
+            return verdict;
+        }
+        return Verdict::Start {
+            warnings: Vec::new(),
+        };
+    }
+    let named = |primary: &Option<String>, message: &str| match primary {
+        Some(name) => format!("primary {name}: {message}"),
+        None => message.to_string(),
+    };
+    let refusals: Vec<String> = verdicts
+        .iter()
+        .filter_map(|(primary, verdict)| match verdict {
+            Verdict::Refuse(why) => Some(named(primary, why)),
+            Verdict::Start { .. } => None,
+        })
+        .collect();
+    if !refusals.is_empty() {
+        return Verdict::Refuse(refusals.join("; "));
+    }
+    Verdict::Start {
+        warnings: verdicts
+            .iter()
+            .flat_map(|(primary, verdict)| match verdict {
+                Verdict::Start { warnings } => warnings
+                    .iter()
+                    .map(|w| named(primary, w))
+                    .collect::<Vec<_>>(),
+                Verdict::Refuse(_) => Vec::new(),
+            })
+            .collect(),
+    }
+}
+
+/// Reads how many replicas `store`'s Redis has connected (the fewest of any master of a
+/// cluster) and judges them against `wanted` (`store.min_replicas_acked`); nothing is read
+/// when `wanted` is 0.
 pub async fn check_replicas(store: &RedisStore, wanted: u32) -> Result<Verdict, StoreError> {
     if wanted == 0 {
         return Ok(Verdict::Start {
@@ -49,7 +91,8 @@ pub fn judge_replicas(connected: Option<u32>, wanted: u32) -> Verdict {
         },
         Some(n) if n < wanted => Verdict::Refuse(format!(
             "store.min_replicas_acked = {wanted} but Redis has {n} replica(s) connected \
-             (INFO replication, connected_slaves): every write would be answered 503. Connect \
+             (INFO replication, connected_slaves; on a cluster, the master with the fewest): \
+             every write would be answered 503. Connect \
              the replicas, or lower store.min_replicas_acked"
         )),
         Some(_) => Verdict::Start {

@@ -2,7 +2,9 @@
 //!
 //! `contract!` turns each `async fn(&Harness)` below into one test per backend, in the modules
 //! `redis` (a private `redis-server` per test), `redis_with_replica` (the same with a replica
-//! acknowledging every write) and `sqlite` (a temp file per test). Time is
+//! acknowledging every write), `cluster` (a Redis Cluster of 3 masters and 3 replicas shared
+//! by the tests of this binary, each test under its own key prefix, every write acknowledged
+//! by a replica) and `sqlite` (a temp file per test). Time is
 //! virtual: every call gets its `now`, starting at `T0`. Tests only one backend can run are in
 //! `redis_only` and `sqlite_only`.
 
@@ -17,7 +19,7 @@ use std::time::Duration;
 use callbackd::payment;
 use callbackd::store::ids::partition_of;
 use callbackd::store::partitions::Partitions;
-use callbackd::store::redis::RedisStore;
+use callbackd::store::redis::{RedisOptions, RedisStore};
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry, Lease,
@@ -26,6 +28,7 @@ use callbackd::store::{
     SignatureSeal, Store, StoreError,
 };
 use redis_support::RedisServer;
+use redis_support::cluster::RedisCluster;
 
 /// 2025-11-30T00:00:00Z: ids encode creation time, so times must be realistic.
 const T0: Millis = 1_764_460_800_000;
@@ -41,6 +44,8 @@ enum Backend {
         master: RedisServer,
         _replica: RedisServer,
     },
+    /// The shared cluster; the test's keys are those under `prefix`.
+    Cluster { prefix: String },
     /// Kept only so the directory outlives the store.
     Sqlite {
         _dir: tempfile::TempDir,
@@ -92,6 +97,32 @@ impl Harness {
         }
     }
 
+    /// The engine on a Redis Cluster, as `store.min_replicas_acked = 1` runs it: every call
+    /// fanned out per partition and every write acknowledged by its master's replica.
+    async fn cluster() -> Harness {
+        let cluster = RedisCluster::shared();
+        let prefix = RedisCluster::unique_prefix();
+        let options = RedisOptions {
+            key_prefix: prefix.clone(),
+            ..RedisOptions::default()
+        };
+        let store = RedisStore::connect_with(
+            &cluster.url(),
+            Duration::from_secs(2),
+            RETENTION_SECS,
+            &options,
+        )
+        .await
+        .expect("connect to the private cluster")
+        .with_caller_clock_leases()
+        .with_min_replicas_acked(1);
+        store.upgrade(T0).await.expect("stamp the layout version");
+        Harness {
+            store: Box::new(store),
+            backend: Backend::Cluster { prefix },
+        }
+    }
+
     async fn sqlite() -> Harness {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("cb.db");
@@ -108,6 +139,7 @@ impl Harness {
             Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
                 server.cli(&["DBSIZE"]).parse().expect("DBSIZE")
             }
+            Backend::Cluster { prefix } => RedisCluster::shared().count_keys(&format!("{prefix}:*")),
             Backend::Sqlite { path, .. } => {
                 let conn = rusqlite::Connection::open(path).expect("open for counting");
                 [
@@ -160,6 +192,14 @@ macro_rules! contract {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name(&super::Harness::redis_with_replica().await).await;
+                }
+            )*
+        }
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(&super::Harness::cluster().await).await;
                 }
             )*
         }

@@ -1,5 +1,8 @@
 //! A private `redis-server` per test: free port, temp dir, AOF on, so a test can restart or
-//! kill it without touching anyone else's data.
+//! kill it without touching anyone else's data. `cluster.rs` builds a Redis Cluster of them.
+
+#[path = "cluster.rs"]
+pub mod cluster;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -12,6 +15,11 @@ pub struct RedisServer {
     child: Option<Child>,
     appendfsync: &'static str,
     extra_args: Vec<String>,
+    /// Run under a watchdog that kills the server once the test process is gone, for servers
+    /// a whole test binary shares (a static's Drop never runs).
+    watched: bool,
+    /// The `redis-server` process (under the watchdog's shell when watched).
+    server_pid: u32,
 }
 
 impl RedisServer {
@@ -36,14 +44,25 @@ impl RedisServer {
         appendfsync: &'static str,
         extra_args: &[&str],
     ) -> Result<RedisServer, String> {
+        Self::try_start_on(free_port(), appendfsync, extra_args, false)
+    }
+
+    /// Starts a server on `port`; `watched`: see [`RedisServer::watched`].
+    pub fn try_start_on(
+        port: u16,
+        appendfsync: &'static str,
+        extra_args: &[&str],
+        watched: bool,
+    ) -> Result<RedisServer, String> {
         let dir = tempfile::tempdir().map_err(|e| format!("temp dir for redis: {e}"))?;
-        let port = free_port();
         let mut server = RedisServer {
             port,
             dir,
             child: None,
             appendfsync,
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            watched,
+            server_pid: 0,
         };
         server.try_spawn()?;
         Ok(server)
@@ -60,7 +79,8 @@ impl RedisServer {
 
     /// The server's process id (for its CPU time in /proc).
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("redis is running").id()
+        assert!(self.child.is_some(), "redis is running");
+        self.server_pid
     }
 
     pub fn dir(&self) -> PathBuf {
@@ -68,7 +88,25 @@ impl RedisServer {
     }
 
     fn try_spawn(&mut self) -> Result<(), String> {
-        let child = Command::new("redis-server")
+        let mut command = if self.watched {
+            // Polls once a second: the server, and the temp dir, go at most a second after the
+            // test process, however it ended.
+            let watchdog = format!(
+                "redis-server \"$@\" & r=$!\n\
+                 while kill -0 $r 2>/dev/null; do\n\
+                   kill -0 {test} 2>/dev/null || {{ kill -9 $r; wait $r; rm -rf '{dir}'; exit; }}\n\
+                   sleep 1\n\
+                 done",
+                test = std::process::id(),
+                dir = self.dir.path().display()
+            );
+            let mut sh = Command::new("sh");
+            sh.arg("-c").arg(watchdog).arg("redis-watchdog");
+            sh
+        } else {
+            Command::new("redis-server")
+        };
+        let child = command
             .arg("--port")
             .arg(self.port.to_string())
             .arg("--bind")
@@ -91,14 +129,27 @@ impl RedisServer {
                      (Debian: apt-get install redis-server)"
                 )
             })?;
+        self.server_pid = child.id();
         self.child = Some(child);
-        wait_for_port(self.port, true)
+        wait_for_port(self.port, true)?;
+        if self.watched {
+            self.server_pid = self
+                .cli(&["INFO", "server"])
+                .lines()
+                .find_map(|line| line.trim().strip_prefix("process_id:")?.parse().ok())
+                .ok_or_else(|| format!("redis on port {} did not name its process", self.port))?;
+        }
+        Ok(())
     }
 
     /// Stops the server (SIGKILL when `kill`, else a clean shutdown that finishes the AOF).
     pub fn stop(&mut self, kill: bool) {
         if let Some(mut child) = self.child.take() {
-            if kill {
+            if kill && self.watched {
+                let _ = Command::new("kill")
+                    .args(["-9", &self.server_pid.to_string()])
+                    .status();
+            } else if kill {
                 let _ = child.kill();
             } else {
                 let _ = Command::new("redis-cli")
@@ -108,6 +159,10 @@ impl RedisServer {
             let _ = child.wait();
             wait_for_port(self.port, false).unwrap_or_else(|e| panic!("{e}"));
         }
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
     }
 
     /// SIGSTOP: the server keeps its connections but answers nothing (a hung Redis).
@@ -121,7 +176,7 @@ impl RedisServer {
     }
 
     fn signal(&self, signal: &str) {
-        let pid = self.child.as_ref().expect("redis is running").id();
+        let pid = self.pid();
         let status = Command::new("kill")
             .arg(format!("-{signal}"))
             .arg(pid.to_string())
@@ -139,8 +194,14 @@ impl RedisServer {
     /// is not enough: after a diskless sync the master streams writes to a replica only once
     /// its first ACK came in (up to a second later). The probe key is deleted again.
     pub fn wait_for_replicas(&self, n: usize) {
+        self.wait_for_replicas_on(n, "cb-test-probe");
+    }
+
+    /// [`RedisServer::wait_for_replicas`] with the probe written to `probe` (on a cluster node,
+    /// a key of its own slots).
+    pub fn wait_for_replicas_on(&self, n: usize, probe: &str) {
         let deadline = Instant::now() + Duration::from_secs(20);
-        let script = format!("SET cb-test-probe 1\nWAIT {n} 1000\nDEL cb-test-probe\n");
+        let script = format!("SET {probe} 1\nWAIT {n} 1000\nDEL {probe}\n");
         while Instant::now() < deadline {
             let out = Command::new("sh")
                 .arg("-c")

@@ -4,8 +4,9 @@
 
 use std::sync::atomic::Ordering;
 
-use redis::{Cmd, Script, Value};
+use redis::{Cmd, Pipeline, Script, Value};
 
+use super::connection::Sent;
 use super::keys;
 use super::{RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
 use crate::clock::Millis;
@@ -18,29 +19,55 @@ use crate::store::{
 /// The scripts, compiled in. History appends are shared Lua, prepended to the scripts that
 /// append.
 pub(super) struct Scripts {
-    accept: Script,
-    claim: Script,
-    complete: Script,
-    release: Script,
-    resend: Script,
-    sweep: Script,
+    accept: LuaScript,
+    claim: LuaScript,
+    complete: LuaScript,
+    release: LuaScript,
+    resend: LuaScript,
+    sweep: LuaScript,
+}
+
+/// A script called by its hash, with its text at hand to load it on a server that lacks it.
+pub(super) struct LuaScript {
+    script: Script,
+    source: &'static str,
+}
+
+impl LuaScript {
+    fn new(source: &'static str) -> LuaScript {
+        LuaScript {
+            script: Script::new(source),
+            source,
+        }
+    }
+
+    pub(super) fn hash(&self) -> &str {
+        self.script.get_hash()
+    }
+
+    /// `SCRIPT LOAD` of this script.
+    pub(super) fn load(&self) -> Cmd {
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(self.source);
+        load
+    }
 }
 
 impl Scripts {
     pub(super) fn new() -> Scripts {
         Scripts {
-            accept: Script::new(include_str!("lua/accept.lua")),
-            claim: Script::new(include_str!("lua/claim.lua")),
-            complete: Script::new(concat!(
+            accept: LuaScript::new(include_str!("lua/accept.lua")),
+            claim: LuaScript::new(include_str!("lua/claim.lua")),
+            complete: LuaScript::new(concat!(
                 include_str!("lua/history.lua"),
                 include_str!("lua/complete.lua")
             )),
-            release: Script::new(include_str!("lua/release.lua")),
-            resend: Script::new(concat!(
+            release: LuaScript::new(include_str!("lua/release.lua")),
+            resend: LuaScript::new(concat!(
                 include_str!("lua/history.lua"),
                 include_str!("lua/resend.lua")
             )),
-            sweep: Script::new(include_str!("lua/sweep.lua")),
+            sweep: LuaScript::new(include_str!("lua/sweep.lua")),
         }
     }
 }
@@ -135,9 +162,10 @@ pub(super) async fn claim(
     if quotas.iter().all(|q| *q == 0) {
         return Ok(Vec::new());
     }
-    // One call per partition with a share, all in one round trip.
+    // One call per partition with a share. A partition whose master does not answer keeps
+    // its messages for a later claim; the others are delivered meanwhile.
     let script = &store.scripts.claim;
-    let mut pipe = redis::pipe();
+    let mut calls = Vec::new();
     for (keys, quota) in store.keys.all().zip(quotas) {
         if quota == 0 {
             continue;
@@ -156,14 +184,33 @@ pub(super) async fn claim(
             .arg(lease_ms)
             .arg(keys.prefix())
             .arg(if store.store_clock_leases { "1" } else { "0" });
-        pipe.add_command(call);
+        calls.push(one_call(call));
     }
-    let pages: Vec<Vec<Value>> = store.eval(script, &pipe).await?;
-    pages.into_iter().flatten().map(decode_lease).collect()
+    let mut leases = Vec::new();
+    let mut failure = None;
+    for reply in store.per_partition::<(Vec<Value>,)>(Sent::Script(script), &calls).await {
+        match reply {
+            Ok((page,)) => leases.extend(page),
+            Err(e) => failure = Some(e),
+        }
+    }
+    match failure {
+        Some(e) if leases.is_empty() => Err(e),
+        _ => leases.into_iter().map(decode_lease).collect(),
+    }
+}
+
+/// A pipeline of one command, for [`RedisStore::per_partition`].
+fn one_call(call: Cmd) -> Pipeline {
+    let mut pipe = redis::pipe();
+    pipe.add_command(call);
+    pipe
 }
 
 /// How many messages each partition could hand out at `now`: due heads plus expired leases
-/// (which claim.lua makes due again first). One pipelined round trip.
+/// (which claim.lua makes due again first). On a cluster, leases are judged by the clock of
+/// the node that answers `TIME` here, and again by each partition's master in claim.lua:
+/// masters whose clocks disagree only make these counts approximate.
 async fn claimable_per_partition(
     store: &RedisStore,
     now: Millis,
@@ -174,13 +221,32 @@ async fn claimable_per_partition(
     } else {
         now
     };
-    let mut pipe = redis::pipe();
-    for keys in store.keys.all() {
-        pipe.zcount(keys.due(), "-inf", now)
-            .zcount(keys.lease(), "-inf", lease_now);
+    let counts: Vec<Pipeline> = store
+        .keys
+        .all()
+        .map(|keys| {
+            let mut pipe = redis::pipe();
+            pipe.zcount(keys.due(), "-inf", now)
+                .zcount(keys.lease(), "-inf", lease_now);
+            pipe
+        })
+        .collect();
+    // A partition whose master does not answer has nothing to hand out now.
+    let mut available = Vec::with_capacity(counts.len());
+    let mut failure = None;
+    for count in store.per_partition::<(usize, usize)>(Sent::Read, &counts).await {
+        match count {
+            Ok((due, expired)) => available.push(due + expired),
+            Err(e) => {
+                available.push(0);
+                failure = Some(e);
+            }
+        }
     }
-    let counts: Vec<usize> = store.send(&pipe).await?;
-    Ok(counts.chunks(2).map(|c| c.iter().sum()).collect())
+    match failure {
+        Some(e) if available.iter().all(|a| *a == 0) => Err(e),
+        _ => Ok(available),
+    }
 }
 
 /// Shares `limit` among partitions one message at a time, round-robin from `start`, never
@@ -289,7 +355,7 @@ pub(super) async fn release(
 }
 
 /// Sends a call of a script that answers 1 when it applied, 0 when the lease was lost.
-async fn applied(store: &RedisStore, script: &Script, call: &Cmd) -> Result<bool, StoreError> {
+async fn applied(store: &RedisStore, script: &LuaScript, call: &Cmd) -> Result<bool, StoreError> {
     let done: i64 = store.eval(script, call).await?;
     Ok(done == 1)
 }
@@ -376,25 +442,39 @@ pub(super) async fn finish_operation(
         .await
 }
 
+/// Sweeps every partition; a partition whose master does not answer waits for the next sweep.
 pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, StoreError> {
     let script = &store.scripts.sweep;
-    let mut pipe = redis::pipe();
-    for keys in store.keys.all() {
-        let mut call = script_call(
-            script,
-            &[
-                keys.expiry(),
-                keys.index(None),
-                keys.index(Some(MessageState::Delivered)),
-                keys.index(Some(MessageState::Dead)),
-                keys.index(Some(MessageState::Recorded)),
-            ],
-        );
-        call.arg(now).arg(SWEEP_LIMIT).arg(keys.prefix());
-        pipe.add_command(call);
+    let calls: Vec<Pipeline> = store
+        .keys
+        .all()
+        .map(|keys| {
+            let mut call = script_call(
+                script,
+                &[
+                    keys.expiry(),
+                    keys.index(None),
+                    keys.index(Some(MessageState::Delivered)),
+                    keys.index(Some(MessageState::Dead)),
+                    keys.index(Some(MessageState::Recorded)),
+                ],
+            );
+            call.arg(now).arg(SWEEP_LIMIT).arg(keys.prefix());
+            one_call(call)
+        })
+        .collect();
+    let mut swept = 0;
+    let mut failure = None;
+    for reply in store.per_partition::<(usize,)>(Sent::Script(script), &calls).await {
+        match reply {
+            Ok((n,)) => swept += n,
+            Err(e) => failure = Some(e),
+        }
     }
-    let swept: Vec<usize> = store.eval(script, &pipe).await?;
-    Ok(swept.into_iter().sum())
+    match failure {
+        Some(e) if swept == 0 => Err(e),
+        _ => Ok(swept),
+    }
 }
 
 #[cfg(test)]

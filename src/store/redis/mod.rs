@@ -8,9 +8,11 @@
 //!   durable write (ARCHITECTURE.md §1.2). The rules are `store::lifecycle`'s
 //!   (src/store/lifecycle.rs); each script in `lua/` names the rule it implements.
 //! - **Keys hash-tagged by partition.** Every key of a message lives under the hash tag of its
-//!   partition, derived from the ordering key, so each script touches one slot and the layout
-//!   is ready for Redis Cluster. What spans partitions (claiming, sweeping, counting, listing)
-//!   pipelines one call per partition into one round trip. `keys.rs` has the layout.
+//!   partition, derived from the ordering key, so each script touches one slot and the store
+//!   runs on Redis Cluster as on one server. What spans partitions (claiming, sweeping,
+//!   counting, listing) builds one pipeline per partition, sent as one round trip to one
+//!   server and fanned out to the masters of a cluster (`connection.rs`). `keys.rs` has the
+//!   layout.
 //! - **Leases timed by Redis `TIME`.** Everything else takes `now` from the caller, but every
 //!   worker must judge a lease by one clock: a process whose clock runs ahead would otherwise
 //!   take over leases that have not expired yet.
@@ -28,9 +30,11 @@
 //!   (README.md, "Durability").
 //!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
-//! `reads.rs` answers the reads; both go through the round trips defined here.
+//! `reads.rs` answers the reads; both go through the round trips defined here, over the
+//! connection of `connection.rs` (one server or a cluster: neither needs to know which).
 
 mod commands;
+mod connection;
 mod keys;
 mod partitions;
 mod reads;
@@ -42,8 +46,7 @@ use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, FromRedisValue, Pipeline, RedisResult, Script, Value};
+use redis::{Cmd, FromRedisValue, RedisResult, Value};
 use serde::Serialize;
 
 use super::{
@@ -53,7 +56,8 @@ use super::{
 };
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
-use commands::Scripts;
+use commands::{LuaScript, Scripts};
+use connection::{Connection, Primary, Request, is_refusal};
 use keys::KeySpace;
 
 pub use keys::{DEFAULT_KEY_PREFIX, SCHEMA_VERSION, key_prefix_problem};
@@ -129,7 +133,7 @@ pub struct DurabilitySettings {
 }
 
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Connection,
     scripts: Scripts,
     /// The names of this deployment's keys.
     keys: KeySpace,
@@ -150,8 +154,8 @@ pub struct RedisStore {
 }
 
 impl RedisStore {
-    /// Connects with a reconnecting connection manager: a Redis restart costs the requests in
-    /// flight at that moment (503, the sender retries), not the process.
+    /// Connects to the server at `url`, or to the Redis Cluster it is a node of
+    /// (`connection.rs`).
     pub async fn connect(
         url: &str,
         timeout: Duration,
@@ -169,35 +173,7 @@ impl RedisStore {
         retention_secs: u64,
         options: &RedisOptions,
     ) -> Result<RedisStore, StoreError> {
-        let client = match &options.tls {
-            None => redis::Client::open(url),
-            Some(tls) => redis::Client::build_with_tls(
-                url,
-                redis::TlsCertificates {
-                    client_tls: tls.client.as_ref().map(|c| redis::ClientTlsConfig {
-                        client_cert: c.cert_pem.clone(),
-                        client_key: c.key_pem.clone(),
-                    }),
-                    root_cert: Some(tls.ca_pem.clone()),
-                },
-            ),
-        }
-        .map_err(unavailable)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(1));
-        let conn =
-            tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
-                .await
-                .map_err(|_| {
-                    StoreError::Unavailable(format!(
-                        "no answer from {} within {timeout:?}",
-                        redacted_url(url)
-                    ))
-                })?
-                .map_err(unavailable)?;
+        let conn = Connection::open(url, timeout, options.tls.as_ref()).await?;
         let mut store = RedisStore {
             conn,
             scripts: Scripts::new(),
@@ -235,57 +211,82 @@ impl RedisStore {
         self
     }
 
-    /// `CONFIG GET` of the persistence and eviction settings, or `None` when CONFIG is
-    /// disabled, renamed or not permitted (managed Redis often does that): what that means is
-    /// the caller's decision. One command per setting, since Redis 6 takes one name per GET.
-    pub async fn durability_settings(&self) -> Result<Option<DurabilitySettings>, StoreError> {
-        let mut pipe = redis::pipe();
+    /// `CONFIG GET` of the persistence and eviction settings of every primary (each master of
+    /// a cluster has its own, named), `None` for one that disabled, renamed or did not permit
+    /// CONFIG (managed Redis often does that): what that means is the caller's decision. One
+    /// command per setting, since Redis 6 takes one name per GET.
+    pub async fn durability_settings(
+        &self,
+    ) -> Result<Vec<(Option<String>, Option<DurabilitySettings>)>, StoreError> {
+        let mut per_primary: Vec<(Primary, Option<HashMap<String, String>>)> = Vec::new();
         for name in ["appendonly", "appendfsync", "maxmemory-policy"] {
-            pipe.cmd("CONFIG").arg("GET").arg(name);
+            let replies = self
+                .conn
+                .on_every_primary(redis::cmd("CONFIG").arg("GET").arg(name))
+                .await
+                .map_err(unavailable)?;
+            for (primary, reply) in replies {
+                let values: Option<HashMap<String, String>> = match reply {
+                    Ok(value) => Some(decode(value)?),
+                    Err(e) if is_refusal(&e) => None,
+                    Err(e) => return Err(unavailable(e)),
+                };
+                match per_primary.iter_mut().find(|(p, _)| *p == primary) {
+                    Some((_, all)) => {
+                        *all = all.take().zip(values).map(|(mut all, values)| {
+                            all.extend(values);
+                            all
+                        });
+                    }
+                    None => per_primary.push((primary, values)),
+                }
+            }
         }
-        let reply: RedisResult<Vec<HashMap<String, String>>> = self.query((&pipe).into()).await;
-        match reply {
-            Ok(replies) => {
-                let mut all: HashMap<String, String> = replies.into_iter().flatten().collect();
-                Ok(Some(DurabilitySettings {
+        Ok(per_primary
+            .into_iter()
+            .map(|(primary, all)| {
+                let settings = all.map(|mut all| DurabilitySettings {
                     appendonly: all.remove("appendonly"),
                     appendfsync: all.remove("appendfsync"),
                     maxmemory_policy: all.remove("maxmemory-policy"),
-                }))
-            }
-            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-                Err(unavailable(e))
-            }
-            Err(_) => Ok(None),
-        }
+                });
+                (primary.name(), settings)
+            })
+            .collect())
     }
 
-    /// `connected_slaves` of `INFO replication`, or `None` when INFO is disabled, renamed or
-    /// not permitted, or does not say.
+    /// `connected_slaves` of `INFO replication`: the fewest of any primary (every master of a
+    /// cluster must have its replicas), or `None` when INFO is disabled, renamed or not
+    /// permitted on one, or does not say.
     pub async fn connected_replicas(&self) -> Result<Option<u32>, StoreError> {
-        let reply: RedisResult<String> = self
-            .query((&*redis::cmd("INFO").arg("replication")).into())
-            .await;
-        match reply {
-            Ok(info) => Ok(info.lines().find_map(|line| {
+        let replies = self
+            .conn
+            .on_every_primary(redis::cmd("INFO").arg("replication"))
+            .await
+            .map_err(unavailable)?;
+        let mut fewest: Option<u32> = None;
+        for (_, reply) in replies {
+            let info: String = match reply {
+                Ok(value) => decode(value)?,
+                Err(e) if is_refusal(&e) => return Ok(None),
+                Err(e) => return Err(unavailable(e)),
+            };
+            let connected = info.lines().find_map(|line| {
                 line.trim()
                     .strip_prefix("connected_slaves:")
                     .and_then(|n| n.parse().ok())
-            })),
-            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-                Err(unavailable(e))
-            }
-            Err(_) => Ok(None),
+            });
+            let Some(connected) = connected else {
+                return Ok(None);
+            };
+            fewest = Some(fewest.map_or(connected, |f: u32| f.min(connected)));
         }
+        Ok(fewest)
     }
 
-    /// Sends one round trip. Clones of the connection manager share its connection.
+    /// Sends one round trip: to the server, or to the master of its keys' slot.
     async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
-        let mut conn = self.conn.clone();
-        match request {
-            Request::One(cmd) => cmd.query_async(&mut conn).await,
-            Request::Pipeline(pipe) => pipe.query_async(&mut conn).await,
-        }
+        self.conn.query(request).await
     }
 
     /// Sends one round trip that only reads (writes go through [`RedisStore::write`] or
@@ -299,18 +300,25 @@ impl RedisStore {
     }
 
     /// Sends calls of `script` (see [`script_call`]); every script writes, so this is a
-    /// [`RedisStore::write`]. A server that restarted since, or another server behind the URL,
-    /// has no scripts in its cache: a NOSCRIPT reply loads `script` and sends the calls again.
+    /// [`RedisStore::write`]. A server that restarted since, another server behind the URL, or
+    /// a replica promoted to master has no scripts in its cache: a NOSCRIPT reply loads
+    /// `script` on every primary and sends the calls again.
     async fn eval<'r, T: FromRedisValue>(
         &self,
-        script: &Script,
+        script: &LuaScript,
         request: impl Into<Request<'r>>,
     ) -> Result<T, StoreError> {
         let request = request.into();
         let (reply, acked) = match self.query_acked(request).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                let mut conn = self.conn.clone();
-                script.load_async(&mut conn).await.map_err(unavailable)?;
+                let loads = self
+                    .conn
+                    .on_every_primary(&script.load())
+                    .await
+                    .map_err(unavailable)?;
+                for (_, loaded) in loads {
+                    loaded.map_err(unavailable)?;
+                }
                 self.query_acked(request).await.map_err(unavailable)?
             }
             other => other.map_err(unavailable)?,
@@ -405,31 +413,26 @@ fn wait_timeout_ms(timeout: Duration) -> u64 {
     (u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) / 5 * 4).max(1)
 }
 
-/// What one round trip sends: a command, or a pipeline of them.
-#[derive(Clone, Copy)]
-enum Request<'r> {
-    One(&'r Cmd),
-    Pipeline(&'r Pipeline),
-}
-
-impl<'r> From<&'r Cmd> for Request<'r> {
-    fn from(cmd: &'r Cmd) -> Request<'r> {
-        Request::One(cmd)
-    }
-}
-
-impl<'r> From<&'r Pipeline> for Request<'r> {
-    fn from(pipe: &'r Pipeline) -> Request<'r> {
-        Request::Pipeline(pipe)
-    }
-}
-
 /// A call of `script` with its `KEYS`, in the order of the script's header; the caller adds
 /// its `ARGV`. Sent alone or added to a pipeline, always through [`RedisStore::eval`].
-fn script_call(script: &Script, keys: &[String]) -> Cmd {
+///
+/// Redis Cluster runs a script only when all its keys are in one slot, so a call whose keys
+/// span slots is a bug of this engine, caught here in every debug build and test run.
+fn script_call(script: &LuaScript, keys: &[String]) -> Cmd {
+    debug_assert!(
+        in_one_slot(keys),
+        "the keys of one script call span slots: {keys:?}"
+    );
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script.get_hash()).arg(keys.len()).arg(keys);
+    cmd.arg(script.hash()).arg(keys.len()).arg(keys);
     cmd
+}
+
+/// True when every key hashes to the slot of the first, as Redis Cluster computes it.
+fn in_one_slot(keys: &[String]) -> bool {
+    use redis::cluster_routing::Slot;
+    keys.iter()
+        .all(|key| keys.first().is_some_and(|first| Slot::for_key(key) == Slot::for_key(first)))
 }
 
 fn unavailable(e: redis::RedisError) -> StoreError {

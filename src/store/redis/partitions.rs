@@ -13,10 +13,11 @@ impl RedisStore {
     /// What the store says about its count: recorded, or not recorded in a store that was
     /// used (a layout version stamped, or partition keys), or nothing stored yet.
     pub(super) async fn found_partitions(&self) -> Result<Found, StoreError> {
-        let mut read = redis::pipe();
-        read.get(self.keys.partition_count())
-            .get(self.keys.schema());
-        let (recorded, schema): (Option<String>, Option<String>) = self.send(&read).await?;
+        // Two reads: on a cluster the two keys may live on two masters.
+        let recorded: Option<String> = self
+            .send(&redis::Cmd::get(self.keys.partition_count()))
+            .await?;
+        let schema: Option<String> = self.send(&redis::Cmd::get(self.keys.schema())).await?;
         if let Some(recorded) = recorded {
             return self.parse_count(&recorded).map(Found::Recorded);
         }

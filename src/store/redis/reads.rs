@@ -1,10 +1,11 @@
-//! The reads: plain commands, pipelined over the partitions where they span them. None
-//! changes anything, so none needs a script.
+//! The reads: plain commands, one pipeline per partition where they span partitions
+//! ([`RedisStore::every_partition`]). None changes anything, so none needs a script.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use redis::{Cmd, Value};
+use redis::{Cmd, Pipeline, Value};
 
+use super::connection::Sent;
 use super::{RedisStore, corrupt, decode, decode_message, field};
 use crate::clock::Millis;
 use crate::store::{
@@ -92,21 +93,27 @@ async fn scan_ids(
             .map(|keys| keys.index(filter.state))
             .collect(),
     };
-    let mut pipe = redis::pipe();
-    for index in &indexes {
-        pipe.cmd("ZRANGE")
-            .arg(index)
-            .arg(&min)
-            .arg(&max)
-            .arg("BYLEX")
-            .arg("LIMIT")
-            .arg(0)
-            .arg(limit);
-    }
-    let pages: Vec<Vec<String>> = store.send(&pipe).await?;
+    let ranges: Vec<Pipeline> = indexes
+        .iter()
+        .map(|index| {
+            let mut pipe = redis::pipe();
+            pipe.cmd("ZRANGE")
+                .arg(index)
+                .arg(&min)
+                .arg(&max)
+                .arg("BYLEX")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit);
+            pipe
+        })
+        .collect();
+    // Each partition's first `limit` ids above `after`: the `limit` smallest of them all are
+    // the next ids of the merged order, whatever the partitions' sizes.
+    let pages: Vec<(Vec<String>,)> = store.every_partition(Sent::Read, &ranges).await?;
     let mut ids: Vec<MessageId> = pages
         .into_iter()
-        .flatten()
+        .flat_map(|(page,)| page)
         .filter_map(|s| MessageId::parse(&s))
         .collect();
     ids.sort();
@@ -114,46 +121,55 @@ async fn scan_ids(
     Ok(ids)
 }
 
-/// Loads records in one round trip, skipping ids that are gone; histories only when asked (a
-/// list page never loads them).
+/// Loads records, in the order of `ids`, skipping ids that are gone: one pipeline per
+/// partition; histories only when asked (a list page never loads them).
 async fn records(
     store: &RedisStore,
     ids: &[MessageId],
     with_history: bool,
 ) -> Result<Vec<MessageRecord>, StoreError> {
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut pipe = redis::pipe();
+    let mut by_partition: BTreeMap<u8, Vec<&MessageId>> = BTreeMap::new();
     for id in ids {
-        let keys = store.keys.of_id(id);
-        pipe.hgetall(keys.message(id))
-            .zscore(keys.due(), id.as_str());
-        if with_history {
-            pipe.lrange(keys.attempts(id), 0, -1);
-        }
+        by_partition.entry(id.partition()).or_default().push(id);
     }
-    let replies: Vec<Value> = store.send(&pipe).await?;
-    let mut replies = replies.into_iter();
-    let mut next = || {
-        replies
-            .next()
-            .ok_or_else(|| corrupt("short pipeline reply"))
-    };
-    let mut records = Vec::with_capacity(ids.len());
-    for _ in ids {
-        let fields: HashMap<String, String> = decode(next()?)?;
-        let next_attempt_at: Option<f64> = decode(next()?)?;
-        let history: Vec<String> = if with_history {
-            decode(next()?)?
-        } else {
-            Vec::new()
+    let reads: Vec<Pipeline> = by_partition
+        .values()
+        .map(|ids| {
+            let mut pipe = redis::pipe();
+            for id in ids {
+                let keys = store.keys.of_id(id);
+                pipe.hgetall(keys.message(id))
+                    .zscore(keys.due(), id.as_str());
+                if with_history {
+                    pipe.lrange(keys.attempts(id), 0, -1);
+                }
+            }
+            pipe
+        })
+        .collect();
+    let replies: Vec<Vec<Value>> = store.every_partition(Sent::Read, &reads).await?;
+    let mut found: HashMap<&MessageId, MessageRecord> = HashMap::with_capacity(ids.len());
+    for (ids, replies) in by_partition.values().zip(replies) {
+        let mut replies = replies.into_iter();
+        let mut next = || {
+            replies
+                .next()
+                .ok_or_else(|| corrupt("short pipeline reply"))
         };
-        if let Some(record) = record(&fields, next_attempt_at, &history)? {
-            records.push(record);
+        for id in ids {
+            let fields: HashMap<String, String> = decode(next()?)?;
+            let next_attempt_at: Option<f64> = decode(next()?)?;
+            let history: Vec<String> = if with_history {
+                decode(next()?)?
+            } else {
+                Vec::new()
+            };
+            if let Some(record) = record(&fields, next_attempt_at, &history)? {
+                found.insert(id, record);
+            }
         }
     }
-    Ok(records)
+    Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
 }
 
 /// One message from its hash fields, its score in `due` and its history rows; `None` when
@@ -219,18 +235,23 @@ pub(super) async fn depth(store: &RedisStore) -> Result<QueueDepth, StoreError> 
         MessageState::InFlight,
         MessageState::Dead,
     ];
-    let mut pipe = redis::pipe();
-    for keys in store.keys.all() {
-        for state in COUNTED {
-            pipe.zcard(keys.index(Some(state)));
-        }
-    }
-    let counts: Vec<u64> = store.send(&pipe).await?;
+    let counts: Vec<Pipeline> = store
+        .keys
+        .all()
+        .map(|keys| {
+            let mut pipe = redis::pipe();
+            for state in COUNTED {
+                pipe.zcard(keys.index(Some(state)));
+            }
+            pipe
+        })
+        .collect();
+    let counts: Vec<(u64, u64, u64)> = store.every_partition(Sent::Read, &counts).await?;
     let mut depth = QueueDepth::default();
-    for chunk in counts.chunks(COUNTED.len()) {
-        depth.pending += chunk[0];
-        depth.in_flight += chunk[1];
-        depth.dead += chunk[2];
+    for (pending, in_flight, dead) in counts {
+        depth.pending += pending;
+        depth.in_flight += in_flight;
+        depth.dead += dead;
     }
     Ok(depth)
 }
@@ -238,16 +259,22 @@ pub(super) async fn depth(store: &RedisStore) -> Result<QueueDepth, StoreError> 
 pub(super) async fn oldest_unfinished(store: &RedisStore) -> Result<Option<MessageId>, StoreError> {
     // Ids sort by creation time and the state indexes are lexical: the first member of
     // each is its oldest.
-    let mut pipe = redis::pipe();
-    for keys in store.keys.all() {
-        for state in [MessageState::Pending, MessageState::InFlight] {
-            pipe.zrange(keys.index(Some(state)), 0, 0);
-        }
-    }
-    let firsts: Vec<Vec<String>> = store.send(&pipe).await?;
+    let firsts: Vec<Pipeline> = store
+        .keys
+        .all()
+        .map(|keys| {
+            let mut pipe = redis::pipe();
+            for state in [MessageState::Pending, MessageState::InFlight] {
+                pipe.zrange(keys.index(Some(state)), 0, 0);
+            }
+            pipe
+        })
+        .collect();
+    let firsts: Vec<(Vec<String>, Vec<String>)> =
+        store.every_partition(Sent::Read, &firsts).await?;
     firsts
         .into_iter()
-        .flatten()
+        .flat_map(|(pending, in_flight)| pending.into_iter().chain(in_flight))
         .min()
         .map(|id| MessageId::parse(&id).ok_or_else(|| corrupt(format!("message id `{id}`"))))
         .transpose()

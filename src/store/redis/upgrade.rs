@@ -12,18 +12,22 @@
 //! it has no member yet), so an upgrade cut short by a crash is simply run again. The version
 //! key is written last. Old processes must be stopped first: they would keep writing v1.
 //!
+//! Keys are scanned on every primary (each master of a cluster holds its own), and each page's
+//! writes are one transaction per partition, since a cluster runs a transaction in one slot.
+//!
 //! The version-1 and version-2 key names are spelled here rather than taken from `keys.rs`:
 //! those layouts are fixed, whatever the current one becomes. Only their prefix comes from
 //! there (`store.key_prefix`, `cb` before it was configurable): a store under another prefix
 //! is upgraded under it, and never mistakes a neighbour's keys for its own old layout.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use redis::{Cmd, Value};
+use redis::{Cmd, Pipeline, Value};
 
-use super::RedisStore;
+use super::connection::Primary;
 use super::keys::SCHEMA_VERSION;
+use super::{RedisStore, unavailable};
 use crate::clock::Millis;
 use crate::digest::short_hash;
 use crate::store::{HISTORY_TAIL, MessageId, MessageState, NewMessage, StoreError};
@@ -75,10 +79,11 @@ impl RedisStore {
             return self.wait_for_upgrade(found).await;
         }
         self.v1_to_v2(now).await.map_err(during_upgrade)?;
-        let mut done = redis::pipe();
-        done.set(&schema_key, SCHEMA_VERSION)
-            .del(self.keys.upgrade_lock());
-        self.write::<()>(&done).await?;
+        // Two writes, as the two keys may live on two masters; a crash in between leaves a lock
+        // that expires.
+        self.write::<()>(&Cmd::set(&schema_key, SCHEMA_VERSION))
+            .await?;
+        self.write::<()>(&Cmd::del(self.keys.upgrade_lock())).await?;
         Ok(found)
     }
 
@@ -103,41 +108,55 @@ impl RedisStore {
 
     /// True when the store holds any partition key (so a missing version means version 1).
     pub(super) async fn has_data(&self) -> Result<bool, StoreError> {
-        let mut cursor = 0u64;
-        loop {
-            let (next, keys) = self.scan_step(cursor).await?;
-            if !keys.is_empty() {
-                return Ok(true);
+        for primary in self.conn.primaries().await.map_err(unavailable)? {
+            let mut cursor = 0u64;
+            loop {
+                let (next, keys) = self.scan_step(&primary, cursor).await?;
+                if !keys.is_empty() {
+                    return Ok(true);
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
             }
-            if next == 0 {
-                return Ok(false);
-            }
-            cursor = next;
         }
+        Ok(false)
     }
 
-    /// One SCAN step over the partition keys: the next cursor (0 at the end) and a page of keys.
-    async fn scan_step(&self, cursor: u64) -> Result<(u64, Vec<String>), StoreError> {
+    /// One SCAN step over the partition keys of one primary: the next cursor (0 at the end)
+    /// and a page of keys.
+    async fn scan_step(
+        &self,
+        primary: &Primary,
+        cursor: u64,
+    ) -> Result<(u64, Vec<String>), StoreError> {
         let mut scan = redis::cmd("SCAN");
         scan.arg(cursor)
             .arg("MATCH")
             .arg(self.keys.partition_pattern())
             .arg("COUNT")
             .arg(PAGE);
-        self.send(&scan).await
+        self.conn
+            .query_at(primary, &scan)
+            .await
+            .map_err(unavailable)
     }
 
     /// Upgrades every partition key from version 1 to 2, a SCAN page at a time.
     async fn v1_to_v2(&self, now: Millis) -> Result<(), StoreError> {
+        let primaries = self.conn.primaries().await.map_err(unavailable)?;
         for pass in [Pass::Records, Pass::Indexes] {
-            let mut cursor = 0u64;
-            loop {
-                let (next, keys) = self.scan_step(cursor).await?;
-                self.upgrade_page(&keys, pass, now).await?;
-                if next == 0 {
-                    break;
+            for primary in &primaries {
+                let mut cursor = 0u64;
+                loop {
+                    let (next, keys) = self.scan_step(primary, cursor).await?;
+                    self.upgrade_page(&keys, pass, now).await?;
+                    if next == 0 {
+                        break;
+                    }
+                    cursor = next;
                 }
-                cursor = next;
             }
         }
         Ok(())
@@ -153,9 +172,9 @@ impl RedisStore {
         let extension_ms = (self.payment_retention_secs as i64 - self.retention_secs as i64) * 1000;
         // Score of a key that keeps its current lifetime; a key without a TTL gets the retention.
         let ends = |pttl: i64| now + if pttl > 0 { pttl } else { retention_ms };
-        // One MULTI/EXEC per page: a crash never leaves a history trimmed but uncounted.
-        let mut writes = redis::pipe();
-        writes.atomic();
+        // One MULTI/EXEC per partition of the page: a crash never leaves a history trimmed but
+        // uncounted.
+        let mut per_partition: BTreeMap<&str, Pipeline> = BTreeMap::new();
         for key in keys {
             let Some((prefix, member, kind)) = classify(key) else {
                 continue;
@@ -163,6 +182,11 @@ impl RedisStore {
             if (pass == Pass::Indexes) != matches!(kind, Kind::Index) {
                 continue;
             }
+            let writes = per_partition.entry(prefix).or_insert_with(|| {
+                let mut writes = redis::pipe();
+                writes.atomic();
+                writes
+            });
             let expiry = format!("{prefix}x");
             match kind {
                 Kind::Dedupe => {
@@ -186,12 +210,14 @@ impl RedisStore {
                     }
                 }
                 Kind::Message(id) => {
-                    self.upgrade_message(&mut writes, prefix, &id, ends).await?;
+                    self.upgrade_message(writes, prefix, &id, ends).await?;
                 }
-                Kind::Index => self.drop_dangling(&mut writes, prefix, key).await?,
+                Kind::Index => self.drop_dangling(writes, prefix, key).await?,
             }
         }
-        self.write::<Value>(&writes).await?;
+        for writes in per_partition.values() {
+            self.write::<Value>(writes).await?;
+        }
         Ok(())
     }
 

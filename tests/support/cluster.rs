@@ -1,0 +1,223 @@
+//! A Redis Cluster on loopback: 3 masters and 3 replicas, each a private `redis-server
+//! --cluster-enabled yes` ([`RedisServer`]: temp dir, AOF on), joined by `redis-cli --cluster
+//! create`. Starting one takes a few seconds, so a test binary shares one
+//! ([`RedisCluster::shared`]) and keeps its tests apart by key prefix
+//! ([`RedisCluster::unique_prefix`]); a test that kills nodes starts its own.
+
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::RedisServer;
+
+/// The cluster bus listens on port + 10000.
+const BUS_OFFSET: u16 = 10_000;
+
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// A cluster of its own, stopped when dropped.
+    pub fn start() -> RedisCluster {
+        Self::try_start(false).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The cluster of this test binary, started by the first test that asks. Never dropped:
+    /// its servers are watched, and go once the test process is gone.
+    pub fn shared() -> &'static RedisCluster {
+        static SHARED: OnceLock<RedisCluster> = OnceLock::new();
+        SHARED.get_or_init(|| Self::try_start(true).unwrap_or_else(|e| panic!("{e}")))
+    }
+
+    /// A key prefix no other test of this process uses.
+    pub fn unique_prefix() -> String {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        format!("t{}", NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn try_start(watched: bool) -> Result<RedisCluster, String> {
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            nodes.push(RedisServer::try_start_on(
+                cluster_port(),
+                "always",
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ],
+                watched,
+            )?);
+        }
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .map_err(|e| format!("redis-cli --cluster create: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let cluster = RedisCluster { nodes };
+        cluster.wait_until_ok();
+        Ok(cluster)
+    }
+
+    /// Waits until every running node sees the cluster as `ok` with every slot served, and
+    /// every master's replica acknowledges its writes.
+    pub fn wait_until_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = self.running().all(|node| {
+                let info = node.cli(&["CLUSTER", "INFO"]);
+                info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
+            });
+            if ok {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for master in self.masters() {
+            let probe = master.owned_key("cb-test-probe");
+            master.wait_for_replicas_on(1, &probe);
+        }
+    }
+
+    /// The URL of a running node: callbackd finds the others from it.
+    pub fn url(&self) -> String {
+        self.running().next().expect("a running node").url()
+    }
+
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    fn running(&self) -> impl Iterator<Item = &RedisServer> {
+        self.nodes.iter().filter(|n| n.is_running())
+    }
+
+    /// The running masters.
+    pub fn masters(&self) -> Vec<&RedisServer> {
+        self.running()
+            .filter(|n| n.cli(&["ROLE"]).lines().next() == Some("master"))
+            .collect()
+    }
+
+    /// The master serving `slot`, as the cluster sees it now.
+    pub fn master_of_slot(&self, slot: u16) -> &RedisServer {
+        let nodes = self.running().next().expect("a running node").cli(&["CLUSTER", "NODES"]);
+        let port = nodes
+            .lines()
+            .find_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let flags = fields.get(2)?;
+                if !flags.contains("master") || flags.contains("fail") {
+                    return None;
+                }
+                let serves = fields.iter().skip(8).any(|range| {
+                    let (from, to) = range.split_once('-').unwrap_or((range, range));
+                    match (from.parse::<u16>(), to.parse::<u16>()) {
+                        (Ok(from), Ok(to)) => (from..=to).contains(&slot),
+                        _ => false,
+                    }
+                });
+                let address = fields.get(1)?.split('@').next()?;
+                serves.then(|| address.rsplit_once(':')?.1.parse::<u16>().ok())?
+            })
+            .unwrap_or_else(|| panic!("no master serves slot {slot}:\n{nodes}"));
+        self.node(port)
+    }
+
+    /// The master serving `key`.
+    pub fn master_of_key(&self, key: &str) -> &RedisServer {
+        self.master_of_slot(slot_of(self.running().next().expect("a running node"), key))
+    }
+
+    fn node(&self, port: u16) -> &RedisServer {
+        self.nodes
+            .iter()
+            .find(|n| n.port == port)
+            .expect("a node of this cluster")
+    }
+
+    /// SIGKILL to the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .expect("a node of this cluster")
+            .stop(true);
+    }
+
+    /// How many keys match `pattern` on all masters together (`SCAN MATCH`, since a shared
+    /// cluster holds other tests' keys too).
+    pub fn count_keys(&self, pattern: &str) -> u64 {
+        self.masters()
+            .iter()
+            .map(|m| m.cli(&["--scan", "--pattern", pattern]).lines().count() as u64)
+            .sum()
+    }
+}
+
+impl RedisServer {
+    /// A key starting with `stem` whose slot this cluster node serves, so a plain client's
+    /// command on it is not redirected.
+    pub fn owned_key(&self, stem: &str) -> String {
+        let nodes = self.cli(&["CLUSTER", "NODES"]);
+        let ranges: Vec<(u16, u16)> = nodes
+            .lines()
+            .find(|line| line.contains("myself"))
+            .map(|line| {
+                line.split_whitespace()
+                    .skip(8)
+                    .filter_map(|range| {
+                        let (from, to) = range.split_once('-').unwrap_or((range, range));
+                        Some((from.parse().ok()?, to.parse().ok()?))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        (0..)
+            .map(|i| format!("{stem}-{i}"))
+            .find(|key| {
+                let slot = slot_of(self, key);
+                ranges.iter().any(|(from, to)| (*from..=*to).contains(&slot))
+            })
+            .expect("a key in this node's slots")
+    }
+}
+
+/// `CLUSTER KEYSLOT` of `key`, asked of `node`.
+fn slot_of(node: &RedisServer, key: &str) -> u16 {
+    node.cli(&["CLUSTER", "KEYSLOT", key])
+        .parse()
+        .expect("CLUSTER KEYSLOT answers a number")
+}
+
+/// A free port below 65536 - 10000 whose bus port is free too.
+fn cluster_port() -> u16 {
+    loop {
+        let port = super::free_port();
+        if port <= u16::MAX - BUS_OFFSET
+            && std::net::TcpListener::bind(("127.0.0.1", port + BUS_OFFSET)).is_ok()
+        {
+            return port;
+        }
+    }
+}
