@@ -6,6 +6,8 @@
 //! must agree: the step's answer, every message as `get` reads it, the depth, the oldest
 //! unfinished message and every payment's status.
 //!
+//! The engines: SQLite, one Redis, and a Redis Cluster of 3 masters and 3 replicas.
+//!
 //! `PROPTEST_CASES` sets how many sequences each engine runs (64 by default). A failure
 //! reports the shortest sequence proptest found that still fails.
 
@@ -21,7 +23,7 @@ use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
 use callbackd::store::lifecycle::{self, Lifetimes, Model};
 use callbackd::store::partitions::Partitions;
-use callbackd::store::redis::RedisStore;
+use callbackd::store::redis::{RedisOptions, RedisStore};
 use callbackd::store::sqlite::SqliteStore;
 use callbackd::store::{
     AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind,
@@ -30,6 +32,7 @@ use callbackd::store::{
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use redis_support::RedisServer;
+use redis_support::cluster::RedisCluster;
 
 /// 2025-11-30T00:00:00Z: ids encode creation time, so times must be realistic.
 const T0: Millis = 1_764_460_800_000;
@@ -579,6 +582,9 @@ enum Engine {
     Sqlite,
     /// One private server for all the sequences, emptied before each.
     Redis(RedisServer),
+    /// One private cluster of 3 masters and 3 replicas for all the sequences, each under a key
+    /// prefix of its own.
+    Cluster(RedisCluster),
 }
 
 impl Engine {
@@ -586,6 +592,7 @@ impl Engine {
         match self {
             Engine::Sqlite => "SQLite",
             Engine::Redis(_) => "Redis",
+            Engine::Cluster(_) => "Redis Cluster",
         }
     }
 }
@@ -599,6 +606,23 @@ async fn open(engine: &Engine) -> (Box<dyn Store>, Option<tempfile::TempDir>) {
                 .await
                 .expect("connect to the private redis-server")
                 .with_caller_clock_leases();
+            store.upgrade(T0).await.expect("stamp the layout version");
+            (Box::new(store), None)
+        }
+        Engine::Cluster(cluster) => {
+            let options = RedisOptions {
+                key_prefix: RedisCluster::unique_prefix(),
+                ..RedisOptions::default()
+            };
+            let store = RedisStore::connect_with(
+                &cluster.url(),
+                Duration::from_secs(2),
+                RETENTION_SECS,
+                &options,
+            )
+            .await
+            .expect("connect to the private cluster")
+            .with_caller_clock_leases();
             store.upgrade(T0).await.expect("stamp the layout version");
             (Box::new(store), None)
         }
@@ -660,4 +684,9 @@ fn sqlite_agrees_with_the_model() {
 #[test]
 fn redis_agrees_with_the_model() {
     agrees_with_the_model(Engine::Redis(RedisServer::start()));
+}
+
+#[test]
+fn cluster_agrees_with_the_model() {
+    agrees_with_the_model(Engine::Cluster(RedisCluster::start()));
 }
