@@ -258,6 +258,7 @@ contract!(
     a_message_retried_past_its_deadline_is_swept_after_the_retention,
     a_forty_day_clock_jump_claims_everything_due,
     a_recorded_message_is_kept_for_the_retention_not_its_claim_ttl,
+    every_state_change_runs_in_every_partition,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -413,6 +414,70 @@ async fn list_all(s: &dyn Store, filter: ListFilter) -> Vec<MessageRecord> {
 
 fn ids(records: &[MessageRecord]) -> Vec<MessageId> {
     records.iter().map(|r| r.message.id.clone()).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Partitions
+
+/// Payment ids whose hand-offs land in every partition, one each.
+fn one_payment_per_partition() -> Vec<String> {
+    let mut by_partition = BTreeMap::new();
+    for i in 0..10_000 {
+        let payment_id = format!("pay-{i}");
+        by_partition
+            .entry(partition_of(&payment::ordering_key(&payment_id)))
+            .or_insert(payment_id);
+    }
+    by_partition.into_values().collect()
+}
+
+/// Every state change in every partition, each step with every key its script takes (a
+/// payment, a seal). Redis Cluster refuses a script whose keys span slots (CROSSSLOT), and
+/// every debug build checks each script call's keys against one slot, so a call that mixes
+/// partitions fails here on any Redis.
+async fn every_state_change_runs_in_every_partition(h: &Harness) {
+    let s = h.s();
+    let payments = one_payment_per_partition();
+    let mut ids = Vec::new();
+    for payment_id in &payments {
+        let mut req = notification(payment_id, "approved", &["undefined"], T0);
+        req.seal = Some(SignatureSeal {
+            key: format!("seal/{payment_id}"),
+            expires_at: T0 + DAY_MS,
+        });
+        ids.push(req.message.id.clone());
+        let outcome = s.accept(req, T0).await.expect("accept");
+        assert_eq!(outcome, AcceptOutcome::Accepted);
+    }
+    let all: Vec<&MessageId> = ids.iter().collect();
+    for lease in claim_exactly(s, T0, &all).await {
+        assert!(s.release(&lease, T0).await.expect("release"));
+    }
+    let retry_at = T0 + 60_000;
+    for lease in claim_exactly(s, T0 + 1, &all).await {
+        let retry = Completion::Retry { next_at: retry_at };
+        assert!(complete(s, &lease, retry, T0 + 1).await);
+    }
+    for id in &ids {
+        let effect = s
+            .resend(id, resend_mark(T0 + 2), T0 + 7 * DAY_MS, T0 + 2)
+            .await
+            .expect("resend");
+        assert_eq!(effect, ResendEffect::Expedited, "{id}");
+    }
+    for lease in claim_exactly(s, T0 + 3, &all).await {
+        assert!(complete(s, &lease, Completion::Delivered, T0 + 3).await);
+    }
+    for payment_id in &payments {
+        let status = s.payment_status(payment_id, T0 + 3).await.expect("status");
+        assert_eq!(status.as_deref(), Some("approved"), "{payment_id}");
+    }
+    let listed = list_all(s, ListFilter { limit: 7, ..ListFilter::default() }).await;
+    assert_eq!(listed.len(), ids.len());
+    h.sweep_all(T0 + 3 + RETENTION_SECS as Millis * 1000 + 1).await;
+    for id in &ids {
+        assert!(s.get(id).await.expect("get").is_none(), "{id} swept");
+    }
 }
 
 // ---------------------------------------------------------------------------------------
