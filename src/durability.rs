@@ -286,4 +286,53 @@ mod tests {
             assert!(w[0].contains("appendfsync"), "{w:?}");
         }
     }
+
+    #[test]
+    fn alike_masters_are_judged_once_without_names() {
+        let w = warnings(worst([
+            (
+                Some("10.0.0.1:6379".to_string()),
+                judge(Some(&settings("no", "always", "noeviction")), false),
+            ),
+            (
+                Some("10.0.0.2:6379".to_string()),
+                judge(Some(&settings("no", "always", "noeviction")), false),
+            ),
+        ]));
+        assert!(w[0].starts_with("Redis has no AOF"), "{w:?}");
+        assert!(!w.iter().any(|m| m.contains("10.0.0.")), "{w:?}");
+    }
+
+    #[test]
+    fn one_refusing_master_refuses_and_is_named() {
+        let why = refusal(worst([
+            (
+                Some("10.0.0.1:6379".to_string()),
+                judge(Some(&settings("yes", "always", "noeviction")), true),
+            ),
+            (
+                Some("10.0.0.2:6379".to_string()),
+                judge(Some(&settings("yes", "always", "allkeys-lru")), true),
+            ),
+        ]));
+        assert!(why.starts_with("primary 10.0.0.2:6379: "), "{why}");
+        assert!(!why.contains("10.0.0.1"), "{why}");
+    }
+
+    #[test]
+    fn differing_warnings_name_their_master() {
+        let w = warnings(worst([
+            (
+                Some("10.0.0.1:6379".to_string()),
+                judge(Some(&settings("yes", "no", "noeviction")), false),
+            ),
+            (
+                Some("10.0.0.2:6379".to_string()),
+                judge(Some(&settings("yes", "always", "noeviction")), false),
+            ),
+        ]));
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("primary 10.0.0.1:6379: "), "{w:?}");
+        assert!(w[0].contains("appendfsync is no"), "{w:?}");
+    }
 }

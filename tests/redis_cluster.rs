@@ -103,7 +103,11 @@ async fn each_wait_goes_to_the_master_of_its_write(cluster: &RedisCluster) {
     let store = store(cluster, &prefix, 1).await;
     for key in one_key_per_partition().iter().take(6) {
         let request = support::notification_request(&format!("claim/{key}"), key, NOW);
-        let message_key = format!("{prefix}:{{p{:02}}}:m:{}", partition_of(key), request.message.id);
+        let message_key = format!(
+            "{prefix}:{{p{:02}}}:m:{}",
+            partition_of(key),
+            request.message.id
+        );
         let writer = cluster.master_of_key(&message_key);
         for master in cluster.masters() {
             master.cli(&["CONFIG", "RESETSTAT"]);

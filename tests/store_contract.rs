@@ -45,7 +45,9 @@ enum Backend {
         _replica: RedisServer,
     },
     /// The shared cluster; the test's keys are those under `prefix`.
-    Cluster { prefix: String },
+    Cluster {
+        prefix: String,
+    },
     /// Kept only so the directory outlives the store.
     Sqlite {
         _dir: tempfile::TempDir,
@@ -139,7 +141,9 @@ impl Harness {
             Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
                 server.cli(&["DBSIZE"]).parse().expect("DBSIZE")
             }
-            Backend::Cluster { prefix } => RedisCluster::shared().count_keys(&format!("{prefix}:*")),
+            Backend::Cluster { prefix } => {
+                RedisCluster::shared().count_keys(&format!("{prefix}:*"))
+            }
             Backend::Sqlite { path, .. } => {
                 let conn = rusqlite::Connection::open(path).expect("open for counting");
                 [
@@ -472,9 +476,17 @@ async fn every_state_change_runs_in_every_partition(h: &Harness) {
         let status = s.payment_status(payment_id, T0 + 3).await.expect("status");
         assert_eq!(status.as_deref(), Some("approved"), "{payment_id}");
     }
-    let listed = list_all(s, ListFilter { limit: 7, ..ListFilter::default() }).await;
+    let listed = list_all(
+        s,
+        ListFilter {
+            limit: 7,
+            ..ListFilter::default()
+        },
+    )
+    .await;
     assert_eq!(listed.len(), ids.len());
-    h.sweep_all(T0 + 3 + RETENTION_SECS as Millis * 1000 + 1).await;
+    h.sweep_all(T0 + 3 + RETENTION_SECS as Millis * 1000 + 1)
+        .await;
     for id in &ids {
         assert!(s.get(id).await.expect("get").is_none(), "{id} swept");
     }

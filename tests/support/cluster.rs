@@ -121,7 +121,11 @@ impl RedisCluster {
 
     /// The master serving `slot`, as the cluster sees it now.
     pub fn master_of_slot(&self, slot: u16) -> &RedisServer {
-        let nodes = self.running().next().expect("a running node").cli(&["CLUSTER", "NODES"]);
+        let nodes = self
+            .running()
+            .next()
+            .expect("a running node")
+            .cli(&["CLUSTER", "NODES"]);
         let port = nodes
             .lines()
             .find_map(|line| {
@@ -197,7 +201,9 @@ impl RedisServer {
             .map(|i| format!("{stem}-{i}"))
             .find(|key| {
                 let slot = slot_of(self, key);
-                ranges.iter().any(|(from, to)| (*from..=*to).contains(&slot))
+                ranges
+                    .iter()
+                    .any(|(from, to)| (*from..=*to).contains(&slot))
             })
             .expect("a key in this node's slots")
     }

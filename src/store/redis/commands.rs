@@ -188,7 +188,10 @@ pub(super) async fn claim(
     }
     let mut leases = Vec::new();
     let mut failure = None;
-    for reply in store.per_partition::<(Vec<Value>,)>(Sent::Script(script), &calls).await {
+    for reply in store
+        .per_partition::<(Vec<Value>,)>(Sent::Script(script), &calls)
+        .await
+    {
         match reply {
             Ok((page,)) => leases.extend(page),
             Err(e) => failure = Some(e),
@@ -465,7 +468,10 @@ pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, Stor
         .collect();
     let mut swept = 0;
     let mut failure = None;
-    for reply in store.per_partition::<(usize,)>(Sent::Script(script), &calls).await {
+    for reply in store
+        .per_partition::<(usize,)>(Sent::Script(script), &calls)
+        .await
+    {
         match reply {
             Ok((n,)) => swept += n,
             Err(e) => failure = Some(e),

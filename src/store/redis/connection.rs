@@ -230,9 +230,7 @@ impl Connection {
 async fn is_cluster_node(conn: &mut ConnectionManager) -> Result<bool, StoreError> {
     let info: RedisResult<String> = redis::cmd("INFO").arg("cluster").query_async(conn).await;
     match info {
-        Ok(info) => Ok(info
-            .lines()
-            .any(|line| line.trim() == "cluster_enabled:1")),
+        Ok(info) => Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1")),
         Err(e) if is_refusal(&e) => Ok(false),
         Err(e) => Err(unavailable(e)),
     }

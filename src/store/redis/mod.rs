@@ -431,8 +431,10 @@ fn script_call(script: &LuaScript, keys: &[String]) -> Cmd {
 /// True when every key hashes to the slot of the first, as Redis Cluster computes it.
 fn in_one_slot(keys: &[String]) -> bool {
     use redis::cluster_routing::Slot;
-    keys.iter()
-        .all(|key| keys.first().is_some_and(|first| Slot::for_key(key) == Slot::for_key(first)))
+    keys.iter().all(|key| {
+        keys.first()
+            .is_some_and(|first| Slot::for_key(key) == Slot::for_key(first))
+    })
 }
 
 fn unavailable(e: redis::RedisError) -> StoreError {

@@ -83,7 +83,8 @@ impl RedisStore {
         // that expires.
         self.write::<()>(&Cmd::set(&schema_key, SCHEMA_VERSION))
             .await?;
-        self.write::<()>(&Cmd::del(self.keys.upgrade_lock())).await?;
+        self.write::<()>(&Cmd::del(self.keys.upgrade_lock()))
+            .await?;
         Ok(found)
     }
 
