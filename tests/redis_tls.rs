@@ -1,17 +1,20 @@
 //! Redis over TLS (`rediss://` with `store.tls_*`) and with an ACL user and password in
-//! `store.url`, against private redis-servers. Certificates are made by the `openssl` CLI in a
+//! `store.url`, against private redis-servers and a private Redis Cluster. Certificates are made by the `openssl` CLI in a
 //! temp dir for each test; the password never reaches callbackd's output.
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use callbackd::clock::Millis;
+use callbackd::store::ids::partition_of;
 use callbackd::store::redis::{ClientIdentity, RedisOptions, RedisStore, RedisTls};
 use callbackd::store::{AcceptOutcome, AcceptRequest, Store, StoreError};
 use support::process::Process;
+use support::redis::cluster::{RedisCluster, cluster_port};
 use support::redis::{RedisServer, free_port};
 
 const NOW: Millis = 1_700_000_000_000;
@@ -259,6 +262,74 @@ async fn an_acl_user_and_password_in_the_url_work_and_a_wrong_one_is_not_echoed(
     let refused = message(connect(&url, &RedisOptions::default()).await);
     assert!(refused.contains("AuthenticationFailed"), "{refused}");
     assert!(!refused.contains(wrong), "{refused}");
+}
+
+/// On a cluster the URL names one node; the certificates and the ACL user's password must
+/// reach every node the cluster client finds from it, over TLS all the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_with_an_acl_user_is_reached_on_every_node() {
+    let pki = Pki::new();
+    // The nodes present it to each other on the cluster bus and for replication too.
+    pki.leaf(
+        "node",
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+    );
+    let password = "pw-Secret-4711";
+    let pem = |name: &str| pki.path(name).to_str().expect("utf-8 path").to_string();
+    let cluster = RedisCluster::start_with(|| {
+        let tls = [
+            "--tls-port".to_string(),
+            cluster_port().to_string(),
+            "--tls-cluster".into(),
+            "yes".into(),
+            "--tls-replication".into(),
+            "yes".into(),
+            "--tls-cert-file".into(),
+            pem("node.crt"),
+            "--tls-key-file".into(),
+            pem("node.key"),
+            "--tls-ca-cert-file".into(),
+            pem("ca.crt"),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ];
+        let user = [
+            "callbackd",
+            "on",
+            &format!(">{password}"),
+            "~*",
+            "&*",
+            "+@all",
+        ];
+        tls.into_iter()
+            .chain(std::iter::once("--user".to_string()))
+            .chain(user.iter().map(|a| a.to_string()))
+            .collect()
+    });
+    let tls_port = cluster.nodes()[0].cli(&["CONFIG", "GET", "tls-port"]);
+    let tls_port = tls_port.lines().last().expect("CONFIG GET tls-port").trim();
+    let url = format!("rediss://callbackd:{password}@127.0.0.1:{tls_port}/0");
+    let store = connect(&url, &pki.options(false))
+        .await
+        .expect("connects to the cluster over TLS as the ACL user");
+    store.upgrade(NOW).await.expect("stamps the layout");
+    let mut partitions = BTreeMap::new();
+    for i in 0..10_000 {
+        let key = format!("order-{i}");
+        partitions.entry(partition_of(&key)).or_insert(key);
+    }
+    for key in partitions.values() {
+        let request = support::notification_request(&format!("claim/{key}"), key, NOW);
+        let outcome = store.accept(request, NOW).await.expect("accepts");
+        assert_eq!(outcome, AcceptOutcome::Accepted, "{key}");
+    }
+    let depth = store.depth().await.expect("counts on every master");
+    assert_eq!(depth.pending, partitions.len() as u64);
+
+    let wrong = format!("rediss://callbackd:pw-Wrong-0815@127.0.0.1:{tls_port}/0");
+    let refused = message(connect(&wrong, &pki.options(false)).await);
+    assert!(refused.contains("AuthenticationFailed"), "{refused}");
+    assert!(!refused.contains("pw-Wrong-0815"), "{refused}");
 }
 
 fn config_file(dir: &Path, store_url: &str) -> PathBuf {

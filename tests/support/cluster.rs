@@ -4,7 +4,7 @@
 //! ([`RedisCluster::shared`]) and keeps its tests apart by key prefix
 //! ([`RedisCluster::unique_prefix`]); a test that kills nodes starts its own.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -21,14 +21,20 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// A cluster of its own, stopped when dropped.
     pub fn start() -> RedisCluster {
-        Self::try_start(false).unwrap_or_else(|e| panic!("{e}"))
+        Self::start_with(Vec::new)
+    }
+
+    /// [`RedisCluster::start`] with settings of its own for each node (e.g. TLS on a port of
+    /// its own, from [`cluster_port`]).
+    pub fn start_with(node_args: impl Fn() -> Vec<String>) -> RedisCluster {
+        Self::try_start(false, node_args).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// The cluster of this test binary, started by the first test that asks. Never dropped:
     /// its servers are watched, and go once the test process is gone.
     pub fn shared() -> &'static RedisCluster {
         static SHARED: OnceLock<RedisCluster> = OnceLock::new();
-        SHARED.get_or_init(|| Self::try_start(true).unwrap_or_else(|e| panic!("{e}")))
+        SHARED.get_or_init(|| Self::try_start(true, Vec::new).unwrap_or_else(|e| panic!("{e}")))
     }
 
     /// A key prefix no other test of this process uses.
@@ -37,35 +43,53 @@ impl RedisCluster {
         format!("t{}", NEXT.fetch_add(1, Ordering::Relaxed))
     }
 
-    fn try_start(watched: bool) -> Result<RedisCluster, String> {
+    fn try_start(
+        watched: bool,
+        node_args: impl Fn() -> Vec<String>,
+    ) -> Result<RedisCluster, String> {
         let mut nodes = Vec::new();
         for _ in 0..6 {
-            nodes.push(RedisServer::try_start_on(
-                cluster_port(),
-                "always",
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ],
-                watched,
-            )?);
+            let port = cluster_port();
+            // Explicit, since the default follows the TLS port when there is one.
+            let bus = (port + BUS_OFFSET).to_string();
+            let mut args = vec![
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                &bus,
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+                "--repl-diskless-sync-delay",
+                "0",
+            ];
+            let own = node_args();
+            args.extend(own.iter().map(String::as_str));
+            nodes.push(RedisServer::try_start_on(port, "always", &args, watched)?);
         }
         let addresses: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new("redis-cli")
+        let mut create = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .map_err(|e| format!("redis-cli --cluster create: {e}"))?;
+        // It waits for the nodes to meet, forever if they cannot.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while create.try_wait().map_err(|e| e.to_string())?.is_none() {
+            if Instant::now() > deadline {
+                let _ = create.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = create.wait_with_output().map_err(|e| e.to_string())?;
         if !out.status.success() {
             return Err(format!(
                 "redis-cli --cluster create failed: {}{}",
@@ -217,7 +241,7 @@ fn slot_of(node: &RedisServer, key: &str) -> u16 {
 }
 
 /// A free port below 65536 - 10000 whose bus port is free too.
-fn cluster_port() -> u16 {
+pub fn cluster_port() -> u16 {
     loop {
         let port = super::free_port();
         if port <= u16::MAX - BUS_OFFSET
