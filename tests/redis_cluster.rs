@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use callbackd::clock::Millis;
 use callbackd::durability::{Verdict, check_redis, check_replicas};
+use callbackd::store::Partitions;
 use callbackd::store::ids::partition_of;
 use callbackd::store::redis::{RedisOptions, RedisStore};
 use callbackd::store::{AcceptOutcome, Store};
@@ -42,7 +43,8 @@ fn one_key_per_partition() -> Vec<String> {
     let mut keys = BTreeMap::new();
     for i in 0..10_000 {
         let key = format!("order-{i}");
-        keys.entry(partition_of(&key)).or_insert(key);
+        keys.entry(partition_of(&key, Partitions::DEFAULT))
+            .or_insert(key);
     }
     keys.into_values().collect()
 }
@@ -105,7 +107,7 @@ async fn each_wait_goes_to_the_master_of_its_write(cluster: &RedisCluster) {
         let request = support::notification_request(&format!("claim/{key}"), key, NOW);
         let message_key = format!(
             "{prefix}:{{p{:02}}}:m:{}",
-            partition_of(key),
+            partition_of(key, Partitions::DEFAULT),
             request.message.id
         );
         let writer = cluster.master_of_key(&message_key);

@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use callbackd::clock::Millis;
+use callbackd::store::Partitions;
 use callbackd::store::ids::partition_of;
 use callbackd::store::redis::{ClientIdentity, RedisOptions, RedisStore, RedisTls};
 use callbackd::store::{AcceptOutcome, AcceptRequest, Store, StoreError};
@@ -316,7 +317,9 @@ async fn a_tls_cluster_with_an_acl_user_is_reached_on_every_node() {
     let mut partitions = BTreeMap::new();
     for i in 0..10_000 {
         let key = format!("order-{i}");
-        partitions.entry(partition_of(&key)).or_insert(key);
+        partitions
+            .entry(partition_of(&key, Partitions::DEFAULT))
+            .or_insert(key);
     }
     for key in partitions.values() {
         let request = support::notification_request(&format!("claim/{key}"), key, NOW);

@@ -429,7 +429,10 @@ fn one_payment_per_partition() -> Vec<String> {
     for i in 0..10_000 {
         let payment_id = format!("pay-{i}");
         by_partition
-            .entry(partition_of(&payment::ordering_key(&payment_id)))
+            .entry(partition_of(
+                &payment::ordering_key(&payment_id),
+                Partitions::DEFAULT,
+            ))
             .or_insert(payment_id);
     }
     by_partition.into_values().collect()

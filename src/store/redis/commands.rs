@@ -237,7 +237,10 @@ async fn claimable_per_partition(
     // A partition whose master does not answer has nothing to hand out now.
     let mut available = Vec::with_capacity(counts.len());
     let mut failure = None;
-    for count in store.per_partition::<(usize, usize)>(Sent::Read, &counts).await {
+    for count in store
+        .per_partition::<(usize, usize)>(Sent::Read, &counts)
+        .await
+    {
         match count {
             Ok((due, expired)) => available.push(due + expired),
             Err(e) => {
