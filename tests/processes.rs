@@ -1,4 +1,5 @@
-//! Real `callbackd serve` processes sharing one Redis: crashes, scale-out, graceful shutdown.
+//! Real `callbackd serve` processes sharing one Redis (or one Redis Cluster): crashes,
+//! scale-out, graceful shutdown.
 
 mod support;
 
@@ -9,6 +10,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use support::process::Process;
 use support::redis::RedisServer;
+use support::redis::cluster::RedisCluster;
 use support::sink::{Gate, Reply, Sink};
 use support::{CONNECTOR_TOKEN, eventually};
 
@@ -137,6 +139,46 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
     let duplicates = seen.values().filter(|n| **n > 1).count();
     assert_eq!(seen.len(), total);
     assert_eq!(duplicates, 0, "without crashes, exactly once");
+    assert_eq!(sink.count(), total);
+}
+
+/// Two processes given different nodes of one cluster, each write acknowledged by its master's
+/// replica: hand-offs spread over every master are each delivered once.
+#[tokio::test]
+async fn two_processes_on_a_cluster_deliver_three_hundred_hand_offs_exactly_once() {
+    let cluster = RedisCluster::start();
+    let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let sink = Sink::start({
+        let seen = seen.clone();
+        move |req, _| {
+            let id = req.header("x-callbackd-message-id").unwrap_or_default();
+            *seen.lock().unwrap().entry(id).or_default() += 1;
+            Reply::status(204)
+        }
+    })
+    .await;
+    let acked = [("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "1")];
+    let processes: Vec<Process> = cluster.nodes()[..2]
+        .iter()
+        .map(|node| Process::start_with_env(&node.url(), "", &acked))
+        .collect();
+    let client = support::client();
+    let total = 300;
+    let target = format!("{}/cb", sink.url);
+    for i in 0..total {
+        hand_off(&client, &processes[i % 2].url, &format!("pay-{i}"), &target).await;
+    }
+    eventually(60, "every hand-off delivered", || async {
+        (seen.lock().unwrap().len() == total).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), total);
+    assert!(
+        seen.values().all(|n| *n == 1),
+        "without crashes, exactly once"
+    );
     assert_eq!(sink.count(), total);
 }
 
