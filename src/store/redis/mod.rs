@@ -351,7 +351,8 @@ impl RedisStore {
     /// `WAIT` on a fresh connection would have nothing to wait for and answer at once). The
     /// manager multiplexes every task on that connection, and Redis waits for the
     /// connection's latest write: writes of other tasks sent before this `WAIT` are waited for
-    /// too, which is correct, only possibly slower. The reply, and how many replicas
+    /// too, which is correct, only possibly slower. On a cluster the keyless `WAIT` follows
+    /// the pipeline's keyed write to its master. The reply, and how many replicas
     /// acknowledged (`None`: no `WAIT` was sent).
     async fn query_acked<T: FromRedisValue>(
         &self,
