@@ -43,8 +43,13 @@ async fn opened(url: &str, partitions: Option<u16>) -> Arc<dyn Store> {
 
 /// The refusal of a configured count the store contradicts names the key, both counts and why.
 fn assert_refused(result: Result<Arc<dyn Store>, StartError>, configured: u16, held: u16) {
-    let Err(StartError::Store(StoreError::Incompatible(why))) = result else {
-        panic!("store.partitions = {configured} on a store of {held} must be refused");
+    let why = match result {
+        Err(StartError::Store(StoreError::Incompatible(why))) => why,
+        Err(other) => panic!(
+            "store.partitions = {configured} on a store of {held} must be refused as \
+             incompatible, not with: {other}"
+        ),
+        Ok(_) => panic!("store.partitions = {configured} on a store of {held} must be refused"),
     };
     for part in [
         format!("store.partitions = {configured}"),

@@ -107,11 +107,7 @@ impl RedisCluster {
     pub fn wait_until_ok(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ok = self.running().all(|node| {
-                let info = node.cli(&["CLUSTER", "INFO"]);
-                info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
-            });
-            if ok {
+            if self.running().all(sees_every_slot_served) {
                 break;
             }
             assert!(Instant::now() < deadline, "the cluster did not become ok");
@@ -186,11 +182,26 @@ impl RedisCluster {
 
     /// SIGKILL to the node on `port`.
     pub fn kill(&mut self, port: u16) {
+        self.node_mut(port).stop(true);
+    }
+
+    /// Starts the node on `port` again with its data and `nodes.conf`: it rejoins the cluster,
+    /// as a replica if its master role was handed over meanwhile.
+    pub fn restart(&mut self, port: u16) {
+        self.node_mut(port).start_again();
+    }
+
+    /// Whether a running node sees every slot served again, e.g. once a replica has taken over
+    /// from a killed master.
+    pub fn serves_every_slot(&self) -> bool {
+        self.running().next().is_some_and(sees_every_slot_served)
+    }
+
+    fn node_mut(&mut self, port: u16) -> &mut RedisServer {
         self.nodes
             .iter_mut()
             .find(|n| n.port == port)
             .expect("a node of this cluster")
-            .stop(true);
     }
 
     /// How many keys match `pattern` on all masters together (`SCAN MATCH`, since a shared
@@ -231,6 +242,12 @@ impl RedisServer {
             })
             .expect("a key in this node's slots")
     }
+}
+
+/// Whether `node` sees the cluster as `ok` with all 16384 slots served.
+fn sees_every_slot_served(node: &RedisServer) -> bool {
+    let info = node.cli(&["CLUSTER", "INFO"]);
+    info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
 }
 
 /// `CLUSTER KEYSLOT` of `key`, asked of `node`.
