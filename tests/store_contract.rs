@@ -2267,6 +2267,255 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
     );
 }
 
+/// What the second release's fixtures (tests/fixtures/make_sqlite_v2.rs, make_redis_v2.rs:
+/// the same story on a virtual clock starting at `T0`) left behind, checked on a store
+/// upgraded from one: every record, history, claim, payment state, seal and operation is
+/// still there, and every message goes on from where it was.
+async fn the_second_release_fixture_goes_on(s: &dyn Store) {
+    const HOUR_MS: Millis = 3_600_000;
+    let now = T0 + 10_000;
+    let all = list_all(
+        s,
+        ListFilter {
+            limit: 100,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(all.len(), 11);
+    let of_key = |key: &str| -> Vec<MessageRecord> {
+        all.iter()
+            .filter(|r| r.message.ordering_key == key)
+            .cloned()
+            .collect()
+    };
+    let one = |key: &str| -> MessageRecord {
+        let [record] = &of_key(key)[..] else {
+            panic!("{key}: {:?}", of_key(key));
+        };
+        record.clone()
+    };
+    let statuses = |r: &MessageRecord| {
+        r.history
+            .iter()
+            .map(|a| a.delivery().and_then(|d| d.status))
+            .collect::<Vec<_>>()
+    };
+    let kinds = |r: &MessageRecord| {
+        r.history
+            .iter()
+            .map(HistoryEntry::kind)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+
+    let delivered = get(s, &one("v2/delivered").message.id).await;
+    assert_eq!(delivered.state, MessageState::Delivered);
+    assert_eq!(statuses(&delivered), [Some(503), Some(200)]);
+    assert_eq!(
+        (delivered.history_total, delivered.delivery_attempts),
+        (2, 2)
+    );
+    let dead = get(s, &one("v2/dead").message.id).await;
+    assert_eq!(dead.state, MessageState::Dead);
+    assert_eq!(statuses(&dead), [Some(410)]);
+    let retrying = get(s, &one("v2/retrying").message.id).await;
+    assert_eq!(retrying.state, MessageState::Pending);
+    assert_eq!(retrying.next_attempt_at, Some(T0 + HOUR_MS));
+    assert_eq!(retrying.delivery_attempts, 1);
+    let expedited = get(s, &one("v2/expedited").message.id).await;
+    assert_eq!(expedited.next_attempt_at, Some(T0 + 900));
+    assert_eq!(kinds(&expedited), "delivery,resend");
+    let requeued = get(s, &one("v2/requeued").message.id).await;
+    assert_eq!(requeued.state, MessageState::Pending);
+    assert_eq!(requeued.next_attempt_at, Some(T0 + 900));
+    assert_eq!(requeued.deadline, T0 + 900 + 7 * DAY_MS);
+    assert_eq!(kinds(&requeued), "delivery,resend");
+    let leased = one("v2/leased");
+    assert_eq!(leased.state, MessageState::InFlight);
+    let leased_resent = get(s, &one("v2/leased-resent").message.id).await;
+    assert_eq!(leased_resent.state, MessageState::InFlight);
+    assert_eq!(leased_resent.deadline, T0 + 800 + 7 * DAY_MS);
+    assert_eq!(kinds(&leased_resent), "resend");
+    let fresh = one("v2/fresh");
+    assert_eq!(fresh.state, MessageState::Pending);
+    assert_eq!(fresh.next_attempt_at, Some(T0 + 1_000));
+    let payments = of_key(&payment::ordering_key("pay-v2"));
+    let [pay1, pay2] = &payments[..] else {
+        panic!("pay-v2: {payments:?}");
+    };
+    assert_eq!(
+        (
+            pay1.state,
+            pay1.next_attempt_at,
+            pay2.state,
+            pay2.next_attempt_at
+        ),
+        (
+            MessageState::Pending,
+            Some(T0 + 1_000),
+            MessageState::Pending,
+            None
+        ),
+        "only the head of the payment's queue is due"
+    );
+    let recorded = one("src/payzu/tx-v2");
+    assert_eq!(recorded.state, MessageState::Recorded);
+    assert_eq!(
+        s.depth().await.unwrap(),
+        QueueDepth {
+            pending: 6,
+            in_flight: 2,
+            dead: 1
+        }
+    );
+    assert_eq!(
+        s.oldest_unfinished().await.unwrap().as_ref(),
+        Some(&requeued.message.id)
+    );
+
+    // Every acknowledged request still replays its first answer, or conflicts.
+    let answer = |id: &MessageId| format!(r#"{{"messageId":"{id}"}}"#);
+    for record in all
+        .iter()
+        .filter(|r| r.message.ordering_key.starts_with("v2/"))
+    {
+        let key = &record.message.ordering_key;
+        let mut retry = request(&format!("claim/{key}"), new_message(key, now));
+        assert_eq!(
+            s.accept(retry.clone(), now).await.unwrap(),
+            AcceptOutcome::Replayed {
+                response: answer(&record.message.id)
+            },
+            "{key}"
+        );
+        retry.dedupe.fingerprint = "another request".into();
+        assert_eq!(s.accept(retry, now).await.unwrap(), AcceptOutcome::Conflict);
+    }
+    assert_eq!(
+        s.accept(notification("pay-v2", "settled", &["approved"], now), now)
+            .await
+            .unwrap(),
+        AcceptOutcome::Replayed {
+            response: answer(&pay2.message.id)
+        }
+    );
+    assert_eq!(
+        s.accept(notification("pay-v2", "refunded", &["approved"], now), now)
+            .await
+            .unwrap(),
+        AcceptOutcome::InvalidTransition {
+            from: "settled".into()
+        }
+    );
+    assert_eq!(
+        s.payment_status("pay-v2", now).await.unwrap().as_deref(),
+        Some("settled")
+    );
+    // The seal answers the same signature under any other claim key.
+    assert_eq!(
+        s.accept(sealed("another/claim", "seal/v2", T0 + 300_000, now), now)
+            .await
+            .unwrap(),
+        AcceptOutcome::Replayed {
+            response: answer(&recorded.message.id)
+        }
+    );
+    for (key, fingerprint, found) in [
+        (
+            "op/v2-done",
+            "fp-op",
+            OperationReservation::Done(r#"{"resent":1}"#.into()),
+        ),
+        ("op/v2-running", "fp-op", OperationReservation::InProgress),
+        ("op/v2-running", "fp-other", OperationReservation::Mismatch),
+    ] {
+        assert_eq!(
+            s.reserve_operation(key, fingerprint, 3600).await.unwrap(),
+            found,
+            "{key}"
+        );
+    }
+
+    // The due messages are claimed, with their counts and lease tokens carried over.
+    let leases = claim_exactly(
+        s,
+        now,
+        &[
+            &fresh.message.id,
+            &expedited.message.id,
+            &requeued.message.id,
+            &pay1.message.id,
+        ],
+    )
+    .await;
+    let lease_of = |id: &MessageId| {
+        leases
+            .iter()
+            .find(|l| l.message.id == *id)
+            .expect("leased")
+            .clone()
+    };
+    let requeued_lease = lease_of(&requeued.message.id);
+    assert_eq!(
+        (
+            requeued_lease.token,
+            requeued_lease.attempts,
+            requeued_lease.backoff_step
+        ),
+        (2, 1, 0),
+        "a resend of a finished message starts its backoff over"
+    );
+    let expedited_lease = lease_of(&expedited.message.id);
+    assert_eq!(
+        (expedited_lease.attempts, expedited_lease.backoff_step),
+        (1, 1)
+    );
+    assert_eq!(lease_of(&fresh.message.id).token, 1);
+
+    // The expedited attempt fails: the schedule resumes at the time the resend moved.
+    let next_at = Completion::Retry {
+        next_at: now + 1_000,
+    };
+    assert!(complete(s, &expedited_lease, next_at, now).await);
+    assert_eq!(
+        get(s, &expedited.message.id).await.next_attempt_at,
+        Some(T0 + 2 * HOUR_MS)
+    );
+    for id in [&fresh.message.id, &requeued.message.id, &pay1.message.id] {
+        assert!(complete(s, &lease_of(id), Completion::Delivered, now).await);
+    }
+    let pay2_lease = claim_one(s, now + 1, &pay2.message.id).await;
+    assert!(complete(s, &pay2_lease, Completion::Delivered, now + 1).await);
+
+    // The lease taken before the upgrade still finishes its attempt; the resend that
+    // arrived meanwhile delivers once more.
+    let old_lease = Lease {
+        message: leased_resent.message.clone(),
+        token: 1,
+        attempts: 0,
+        backoff_step: 0,
+        deadline: leased_resent.deadline,
+    };
+    assert!(complete(s, &old_lease, Completion::Delivered, now + 2).await);
+    let again = claim_one(s, now + 2, &leased_resent.message.id).await;
+    assert_eq!((again.token, again.attempts), (2, 1));
+    assert!(complete(s, &again, Completion::Delivered, now + 3).await);
+
+    // The other lease runs out at T0 + 30.7 s and is taken over with a new token.
+    let taken_over = claim_one(s, T0 + 31_000, &leased.message.id).await;
+    assert_eq!(taken_over.token, 2);
+    assert!(complete(s, &taken_over, Completion::Dead, T0 + 31_000).await);
+    assert_eq!(
+        s.depth().await.unwrap(),
+        QueueDepth {
+            pending: 2,
+            in_flight: 0,
+            dead: 2
+        }
+    );
+}
+
 #[derive(serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct RedisFixture {
@@ -2291,8 +2540,13 @@ mod redis_only {
 
     /// Writes the fixture's keys as the first release left them, TTLs included.
     async fn load_fixture(url: &str) -> Millis {
-        let fixture: RedisFixture =
-            serde_json::from_str(include_str!("fixtures/redis_v1.json")).expect("fixture");
+        load_redis_fixture(url, include_str!("fixtures/redis_v1.json")).await
+    }
+
+    /// Writes a dumped fixture's keys (tests/fixtures/redis_v*.json), TTLs included, and
+    /// answers when it was dumped.
+    async fn load_redis_fixture(url: &str, dumped: &str) -> Millis {
+        let fixture: RedisFixture = serde_json::from_str(dumped).expect("fixture");
         let client = ::redis::Client::open(url).unwrap();
         let mut conn = client.get_multiplexed_async_connection().await.unwrap();
         let mut pipe = ::redis::pipe();
@@ -2344,10 +2598,11 @@ mod redis_only {
             .with_caller_clock_leases();
         // The fixture's TTLs are relative: "now" for the upgrade is when it was dumped.
         assert_eq!(store.upgrade(dumped_at).await.unwrap(), 1);
-        assert_eq!(server.cli(&["GET", "cb:schema"]), "2");
+        let current = callbackd::store::redis::SCHEMA_VERSION;
+        assert_eq!(server.cli(&["GET", "cb:schema"]), current.to_string());
         assert_eq!(
             store.upgrade(dumped_at).await.unwrap(),
-            2,
+            current,
             "a second start finds the new layout"
         );
         // Redis itself must keep payment states past the 30 days v1 gave them.
@@ -2362,6 +2617,69 @@ mod redis_only {
             backend: Backend::Redis(server),
         };
         the_upgraded_fixture_keeps_its_data(&h, dumped_at).await;
+    }
+
+    /// Layout version 2, written by the store of commit 164acf3 on a virtual clock starting at
+    /// `T0` (tests/fixtures/make_redis_v2.rs): upgraded in place, everything goes on, and
+    /// what ends is still swept when it ends.
+    #[tokio::test]
+    async fn a_second_release_redis_store_is_upgraded_in_place() {
+        let server = RedisServer::start();
+        let dumped_at =
+            load_redis_fixture(&server.url(), include_str!("fixtures/redis_v2.json")).await;
+        assert_eq!(dumped_at, T0 + 2_000);
+        assert!(server.cli(&["KEYS", "cb:*}:x"]).lines().count() > 0);
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap()
+            .with_caller_clock_leases();
+        assert_eq!(store.upgrade(T0 + 5_000).await.unwrap(), 2);
+        assert_eq!(
+            server.cli(&["GET", "cb:schema"]),
+            callbackd::store::redis::SCHEMA_VERSION.to_string()
+        );
+        for gone in ["cb:*}:x", "cb:*}:ix", "cb:*}:d:claim/*"] {
+            assert_eq!(server.cli(&["KEYS", gone]), "", "{gone}");
+        }
+        // Claims and payments keep their remaining Redis TTL.
+        for pattern in ["cb:*}:d:*", "cb:*}:pay:*"] {
+            let keys = server.cli(&["KEYS", pattern]);
+            assert!(keys.lines().count() > 0, "{pattern}");
+            for key in keys.lines() {
+                let pttl: i64 = server.cli(&["PTTL", key]).parse().unwrap();
+                assert!(pttl > 29 * DAY_MS, "{key} expires in {pttl} ms");
+            }
+        }
+        let h = Harness {
+            store: Box::new(store),
+            backend: Backend::Redis(server),
+        };
+        let s = h.s();
+        the_second_release_fixture_goes_on(s).await;
+
+        // Past the claims' 30 days every claim and seal is swept; payment states stay.
+        let day31 = T0 + 31 * DAY_MS;
+        h.sweep_all(day31).await;
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        for pattern in ["cb:*}:d:*", "cb:*}:s:*"] {
+            assert_eq!(server.cli(&["KEYS", pattern]), "", "{pattern}");
+        }
+        assert_eq!(
+            s.payment_status("pay-v2", day31).await.unwrap().as_deref(),
+            Some("settled")
+        );
+        let delivered = list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                state: Some(MessageState::Delivered),
+                ..Default::default()
+            },
+        )
+        .await;
+        assert!(delivered.is_empty(), "{delivered:?}");
     }
 
     /// The upgrade's pages are writes too: with `store.min_replicas_acked = 1` each waits for
@@ -2679,11 +2997,9 @@ mod sqlite_only {
 
     /// Layout version 2, written by the store of commit acd07d8 on a virtual clock starting at
     /// `T0` (tests/fixtures/make_sqlite_v2.rs tells what happened when). Its columns are
-    /// renamed on open; every record, history, claim, payment state, seal and operation is
-    /// still there, and every message goes on from where it was.
+    /// renamed on open, and everything goes on.
     #[tokio::test]
     async fn a_second_release_database_is_migrated_in_place() {
-        const HOUR_MS: Millis = 3_600_000;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("cb.db");
         std::fs::copy("tests/fixtures/sqlite_v2.db", &path).unwrap();
@@ -2694,247 +3010,7 @@ mod sqlite_only {
             assert!(!columns.iter().any(|c| c == old), "{old} in {columns:?}");
         }
 
-        let now = T0 + 10_000;
-        let all = list_all(
-            &s,
-            ListFilter {
-                limit: 100,
-                ..Default::default()
-            },
-        )
-        .await;
-        assert_eq!(all.len(), 11);
-        let of_key = |key: &str| -> Vec<MessageRecord> {
-            all.iter()
-                .filter(|r| r.message.ordering_key == key)
-                .cloned()
-                .collect()
-        };
-        let one = |key: &str| -> MessageRecord {
-            let [record] = &of_key(key)[..] else {
-                panic!("{key}: {:?}", of_key(key));
-            };
-            record.clone()
-        };
-        let statuses = |r: &MessageRecord| {
-            r.history
-                .iter()
-                .map(|a| a.delivery().and_then(|d| d.status))
-                .collect::<Vec<_>>()
-        };
-        let kinds = |r: &MessageRecord| {
-            r.history
-                .iter()
-                .map(HistoryEntry::kind)
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-
-        let delivered = get(&s, &one("v2/delivered").message.id).await;
-        assert_eq!(delivered.state, MessageState::Delivered);
-        assert_eq!(statuses(&delivered), [Some(503), Some(200)]);
-        assert_eq!(
-            (delivered.history_total, delivered.delivery_attempts),
-            (2, 2)
-        );
-        let dead = get(&s, &one("v2/dead").message.id).await;
-        assert_eq!(dead.state, MessageState::Dead);
-        assert_eq!(statuses(&dead), [Some(410)]);
-        let retrying = get(&s, &one("v2/retrying").message.id).await;
-        assert_eq!(retrying.state, MessageState::Pending);
-        assert_eq!(retrying.next_attempt_at, Some(T0 + HOUR_MS));
-        assert_eq!(retrying.delivery_attempts, 1);
-        let expedited = get(&s, &one("v2/expedited").message.id).await;
-        assert_eq!(expedited.next_attempt_at, Some(T0 + 900));
-        assert_eq!(kinds(&expedited), "delivery,resend");
-        let requeued = get(&s, &one("v2/requeued").message.id).await;
-        assert_eq!(requeued.state, MessageState::Pending);
-        assert_eq!(requeued.next_attempt_at, Some(T0 + 900));
-        assert_eq!(requeued.deadline, T0 + 900 + 7 * DAY_MS);
-        assert_eq!(kinds(&requeued), "delivery,resend");
-        let leased = one("v2/leased");
-        assert_eq!(leased.state, MessageState::InFlight);
-        let leased_resent = get(&s, &one("v2/leased-resent").message.id).await;
-        assert_eq!(leased_resent.state, MessageState::InFlight);
-        assert_eq!(leased_resent.deadline, T0 + 800 + 7 * DAY_MS);
-        assert_eq!(kinds(&leased_resent), "resend");
-        let fresh = one("v2/fresh");
-        assert_eq!(fresh.state, MessageState::Pending);
-        assert_eq!(fresh.next_attempt_at, Some(T0 + 1_000));
-        let payments = of_key(&payment::ordering_key("pay-v2"));
-        let [pay1, pay2] = &payments[..] else {
-            panic!("pay-v2: {payments:?}");
-        };
-        assert_eq!(
-            (
-                pay1.state,
-                pay1.next_attempt_at,
-                pay2.state,
-                pay2.next_attempt_at
-            ),
-            (
-                MessageState::Pending,
-                Some(T0 + 1_000),
-                MessageState::Pending,
-                None
-            ),
-            "only the head of the payment's queue is due"
-        );
-        let recorded = one("src/payzu/tx-v2");
-        assert_eq!(recorded.state, MessageState::Recorded);
-        assert_eq!(
-            s.depth().await.unwrap(),
-            QueueDepth {
-                pending: 6,
-                in_flight: 2,
-                dead: 1
-            }
-        );
-        assert_eq!(
-            s.oldest_unfinished().await.unwrap().as_ref(),
-            Some(&requeued.message.id)
-        );
-
-        // Every acknowledged request still replays its first answer, or conflicts.
-        let answer = |id: &MessageId| format!(r#"{{"messageId":"{id}"}}"#);
-        for record in all
-            .iter()
-            .filter(|r| r.message.ordering_key.starts_with("v2/"))
-        {
-            let key = &record.message.ordering_key;
-            let mut retry = request(&format!("claim/{key}"), new_message(key, now));
-            assert_eq!(
-                s.accept(retry.clone(), now).await.unwrap(),
-                AcceptOutcome::Replayed {
-                    response: answer(&record.message.id)
-                },
-                "{key}"
-            );
-            retry.dedupe.fingerprint = "another request".into();
-            assert_eq!(s.accept(retry, now).await.unwrap(), AcceptOutcome::Conflict);
-        }
-        assert_eq!(
-            s.accept(notification("pay-v2", "settled", &["approved"], now), now)
-                .await
-                .unwrap(),
-            AcceptOutcome::Replayed {
-                response: answer(&pay2.message.id)
-            }
-        );
-        assert_eq!(
-            s.accept(notification("pay-v2", "refunded", &["approved"], now), now)
-                .await
-                .unwrap(),
-            AcceptOutcome::InvalidTransition {
-                from: "settled".into()
-            }
-        );
-        assert_eq!(
-            s.payment_status("pay-v2", now).await.unwrap().as_deref(),
-            Some("settled")
-        );
-        // The seal answers the same signature under any other claim key.
-        assert_eq!(
-            s.accept(sealed("another/claim", "seal/v2", T0 + 300_000, now), now)
-                .await
-                .unwrap(),
-            AcceptOutcome::Replayed {
-                response: answer(&recorded.message.id)
-            }
-        );
-        for (key, fingerprint, found) in [
-            (
-                "op/v2-done",
-                "fp-op",
-                OperationReservation::Done(r#"{"resent":1}"#.into()),
-            ),
-            ("op/v2-running", "fp-op", OperationReservation::InProgress),
-            ("op/v2-running", "fp-other", OperationReservation::Mismatch),
-        ] {
-            assert_eq!(
-                s.reserve_operation(key, fingerprint, 3600).await.unwrap(),
-                found,
-                "{key}"
-            );
-        }
-
-        // The due messages are claimed, with their counts and lease tokens carried over.
-        let leases = claim_exactly(
-            &s,
-            now,
-            &[
-                &fresh.message.id,
-                &expedited.message.id,
-                &requeued.message.id,
-                &pay1.message.id,
-            ],
-        )
-        .await;
-        let lease_of = |id: &MessageId| {
-            leases
-                .iter()
-                .find(|l| l.message.id == *id)
-                .expect("leased")
-                .clone()
-        };
-        let requeued_lease = lease_of(&requeued.message.id);
-        assert_eq!(
-            (
-                requeued_lease.token,
-                requeued_lease.attempts,
-                requeued_lease.backoff_step
-            ),
-            (2, 1, 0),
-            "a resend of a finished message starts its backoff over"
-        );
-        let expedited_lease = lease_of(&expedited.message.id);
-        assert_eq!(
-            (expedited_lease.attempts, expedited_lease.backoff_step),
-            (1, 1)
-        );
-        assert_eq!(lease_of(&fresh.message.id).token, 1);
-
-        // The expedited attempt fails: the schedule resumes at the time the resend moved.
-        let next_at = Completion::Retry {
-            next_at: now + 1_000,
-        };
-        assert!(complete(&s, &expedited_lease, next_at, now).await);
-        assert_eq!(
-            get(&s, &expedited.message.id).await.next_attempt_at,
-            Some(T0 + 2 * HOUR_MS)
-        );
-        for id in [&fresh.message.id, &requeued.message.id, &pay1.message.id] {
-            assert!(complete(&s, &lease_of(id), Completion::Delivered, now).await);
-        }
-        let pay2_lease = claim_one(&s, now + 1, &pay2.message.id).await;
-        assert!(complete(&s, &pay2_lease, Completion::Delivered, now + 1).await);
-
-        // The lease taken before the upgrade still finishes its attempt; the resend that
-        // arrived meanwhile delivers once more.
-        let old_lease = Lease {
-            message: leased_resent.message.clone(),
-            token: 1,
-            attempts: 0,
-            backoff_step: 0,
-            deadline: leased_resent.deadline,
-        };
-        assert!(complete(&s, &old_lease, Completion::Delivered, now + 2).await);
-        let again = claim_one(&s, now + 2, &leased_resent.message.id).await;
-        assert_eq!((again.token, again.attempts), (2, 1));
-        assert!(complete(&s, &again, Completion::Delivered, now + 3).await);
-
-        // The other lease runs out at T0 + 30.7 s and is taken over with a new token.
-        let taken_over = claim_one(&s, T0 + 31_000, &leased.message.id).await;
-        assert_eq!(taken_over.token, 2);
-        assert!(complete(&s, &taken_over, Completion::Dead, T0 + 31_000).await);
-        assert_eq!(
-            s.depth().await.unwrap(),
-            QueueDepth {
-                pending: 2,
-                in_flight: 0,
-                dead: 2
-            }
-        );
+        the_second_release_fixture_goes_on(&s).await;
     }
 
     /// Databases upgraded from either older layout have exactly the tables, columns and

@@ -16,8 +16,8 @@ use crate::store::{
     StoreError, decode_operation, encode_finished_operation, encode_running_operation,
 };
 
-/// The scripts, compiled in. History appends are shared Lua, prepended to the scripts that
-/// append.
+/// The scripts, compiled in. History appends and lifetimes are shared Lua (`history.lua`,
+/// `expiry.lua`), prepended to the scripts that use them.
 pub(super) struct Scripts {
     accept: LuaScript,
     claim: LuaScript,
@@ -56,10 +56,14 @@ impl LuaScript {
 impl Scripts {
     pub(super) fn new() -> Scripts {
         Scripts {
-            accept: LuaScript::new(include_str!("lua/accept.lua")),
+            accept: LuaScript::new(concat!(
+                include_str!("lua/expiry.lua"),
+                include_str!("lua/accept.lua")
+            )),
             claim: LuaScript::new(include_str!("lua/claim.lua")),
             complete: LuaScript::new(concat!(
                 include_str!("lua/history.lua"),
+                include_str!("lua/expiry.lua"),
                 include_str!("lua/complete.lua")
             )),
             release: LuaScript::new(include_str!("lua/release.lua")),
@@ -67,7 +71,10 @@ impl Scripts {
                 include_str!("lua/history.lua"),
                 include_str!("lua/resend.lua")
             )),
-            sweep: LuaScript::new(include_str!("lua/sweep.lua")),
+            sweep: LuaScript::new(concat!(
+                include_str!("lua/expiry.lua"),
+                include_str!("lua/sweep.lua")
+            )),
         }
     }
 }
@@ -106,34 +113,31 @@ pub(super) async fn accept(
             keys.message(&msg.id),
             keys.queue(&msg.ordering_key),
             keys.due(),
-            keys.index(None),
-            keys.index(Some(initial)),
+            keys.index(initial),
             keys.index_of_key(&msg.ordering_key),
             payment_key,
-            keys.expiry(),
+            keys.buckets(),
             seal_key,
         ],
     );
     call.arg(req.dedupe.ttl_secs)
         .arg(&req.dedupe.fingerprint)
-        .arg(&req.dedupe.response)
+        .arg(stored_response(&req.dedupe.response))
         .arg(msg.id.as_str())
         .arg(to_json(msg)?)
         .arg(now)
-        .arg(msg.deadline)
         .arg(initial.as_str())
         .arg(to)
         .arg(allowed)
         .arg(store.payment_retention_secs)
         .arg(store.retention_secs)
         .arg(seal_until)
-        .arg(keys.prefix())
         .arg(keys::key_hash(&msg.ordering_key));
     let reply: Vec<String> = store.eval(script, &call).await?;
     match reply.as_slice() {
         [ok] if ok == "ok" => Ok(AcceptOutcome::Accepted),
-        [dup, response] if dup == "dup" => Ok(AcceptOutcome::Replayed {
-            response: response.clone(),
+        [dup, stored] if dup == "dup" => Ok(AcceptOutcome::Replayed {
+            response: stored_response_text(stored)?,
         }),
         [c] if c == "conflict" => Ok(AcceptOutcome::Conflict),
         [t, from] if t == "transition" => {
@@ -175,8 +179,8 @@ pub(super) async fn claim(
             &[
                 keys.due(),
                 keys.lease(),
-                keys.index(Some(MessageState::Pending)),
-                keys.index(Some(MessageState::InFlight)),
+                keys.index(MessageState::Pending),
+                keys.index(MessageState::InFlight),
             ],
         );
         call.arg(now)
@@ -286,15 +290,17 @@ fn spread(limit: usize, available: &[usize], start: usize) -> (Vec<usize>, usize
     }
 }
 
-/// One row of claim.lua's reply: record, lease token, tries, `rb`, deadline.
+/// One row of claim.lua's reply: record, lease token, tries, `rb`, deadline (empty: the
+/// record's).
 fn decode_lease(row: Value) -> Result<Lease, StoreError> {
-    let (rec, token, tries, rb, deadline): (String, u64, u32, u32, Millis) = decode(row)?;
+    let (rec, token, tries, rb, deadline): (String, u64, u32, u32, String) = decode(row)?;
+    let message = decode_message(&rec)?;
     Ok(Lease {
-        message: decode_message(&rec)?,
+        deadline: deadline.parse().unwrap_or(message.deadline),
+        message,
         token,
         attempts: tries,
         backoff_step: tries.saturating_sub(rb),
-        deadline,
     })
 }
 
@@ -321,10 +327,10 @@ pub(super) async fn complete(
             keys.lease(),
             keys.due(),
             keys.queue(&claimed.message.ordering_key),
-            keys.index(Some(MessageState::InFlight)),
-            keys.index(Some(MessageState::Pending)),
-            keys.index(Some(final_state)),
-            keys.expiry(),
+            keys.index(MessageState::InFlight),
+            keys.index(MessageState::Pending),
+            keys.index(final_state),
+            keys.buckets(),
         ],
     );
     call.arg(id.as_str())
@@ -352,8 +358,8 @@ pub(super) async fn release(
             keys.message(id),
             keys.lease(),
             keys.due(),
-            keys.index(Some(MessageState::InFlight)),
-            keys.index(Some(MessageState::Pending)),
+            keys.index(MessageState::InFlight),
+            keys.index(MessageState::Pending),
         ],
     );
     call.arg(id.as_str()).arg(claimed.token).arg(next_at);
@@ -386,10 +392,9 @@ pub(super) async fn resend(
             keys.attempts(id),
             keys.due(),
             keys.queue(&ordering_key),
-            keys.index(Some(MessageState::Pending)),
-            keys.index(Some(MessageState::Delivered)),
-            keys.index(Some(MessageState::Dead)),
-            keys.expiry(),
+            keys.index(MessageState::Pending),
+            keys.index(MessageState::Delivered),
+            keys.index(MessageState::Dead),
         ],
     );
     call.arg(id.as_str())
@@ -455,17 +460,8 @@ pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, Stor
         .keys
         .all()
         .map(|keys| {
-            let mut call = script_call(
-                script,
-                &[
-                    keys.expiry(),
-                    keys.index(None),
-                    keys.index(Some(MessageState::Delivered)),
-                    keys.index(Some(MessageState::Dead)),
-                    keys.index(Some(MessageState::Recorded)),
-                ],
-            );
-            call.arg(now).arg(SWEEP_LIMIT).arg(keys.prefix());
+            let mut call = script_call(script, &[keys.buckets()]);
+            call.arg(now).arg(SWEEP_LIMIT);
             one_call(call)
         })
         .collect();
@@ -486,9 +482,66 @@ pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, Stor
     }
 }
 
+/// The start of a response that [`stored_response`] keeps as the message id alone.
+const MESSAGE_ID_RESPONSE: (&str, &str) = (r#"{"messageId":""#, r#""}"#);
+
+/// How a dedupe claim or seal stores the response a repeat gets (keys.rs): `#` and the id when
+/// it is exactly `{"messageId":"<id>"}`, else `=` and the response.
+pub(super) fn stored_response(response: &str) -> String {
+    let (open, close) = MESSAGE_ID_RESPONSE;
+    match response
+        .strip_prefix(open)
+        .and_then(|rest| rest.strip_suffix(close))
+        .and_then(MessageId::parse)
+    {
+        Some(id) => format!("#{id}"),
+        None => format!("={response}"),
+    }
+}
+
+/// The response [`stored_response`] stored, byte for byte.
+pub(super) fn stored_response_text(stored: &str) -> Result<String, StoreError> {
+    let (open, close) = MESSAGE_ID_RESPONSE;
+    if let Some(id) = stored.strip_prefix('#') {
+        Ok(format!("{open}{id}{close}"))
+    } else if let Some(response) = stored.strip_prefix('=') {
+        Ok(response.to_string())
+    } else {
+        Err(corrupt(format!("stored response `{stored}`")))
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::spread;
+    use super::{spread, stored_response, stored_response_text};
+
+    #[test]
+    fn stored_responses_come_back_byte_for_byte() {
+        let id = crate::store::MessageId::parse("msg_019ad20f28c800d9e31f585ae352").unwrap();
+        for response in [
+            format!(r#"{{"messageId":"{id}"}}"#),
+            format!(r#"{{"messageId": "{id}"}}"#),
+            format!(r#"{{"messageId":"{id}","x":1}}"#),
+            r#"{"messageId":"msg_nope"}"#.to_string(),
+            "#not json".to_string(),
+            String::new(),
+        ] {
+            let stored = stored_response(&response);
+            assert_eq!(stored_response_text(&stored).unwrap(), response);
+        }
+        assert_eq!(
+            stored_response(&format!(r#"{{"messageId":"{id}"}}"#)),
+            format!("#{id}")
+        );
+    }
+
+    #[test]
+    fn the_lua_expiry_bucket_is_the_one_the_upgrade_uses() {
+        assert!(include_str!("lua/expiry.lua").contains(&format!(
+            "local EXPIRY_BUCKET_MS = {}\n",
+            super::keys::EXPIRY_BUCKET_MS
+        )));
+    }
 
     #[test]
     fn spread_never_exceeds_the_limit_nor_what_a_partition_has() {

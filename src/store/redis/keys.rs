@@ -9,41 +9,55 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `d:<hash>` | string | dedupe claim: fingerprint `\n` stored response, `dedupe_ttl_secs` |
-//! | `s:<hash>` | string | signature seal: the first answer to a signature, while it is valid |
+//! | `d:<h16>` | string | dedupe claim: end ms `\|` fingerprint `\n` stored response (below), `dedupe_ttl_secs` |
+//! | `s:<hash>` | string | signature seal: end ms `\|` the first answer (stored response), while it is valid |
 //! | `m:<id>` | hash | message record and mutable state (fields below) |
 //! | `a:<id>` | list | attempt history (JSON rows): the first and the latest 100 |
 //! | `q:<kh>` | list | ids of one ordering key not yet finished; only the head is due |
 //! | `due` | zset | due heads scored by next attempt time |
 //! | `lease` | zset | in-flight ids scored by lease expiry |
-//! | `ix`, `ix:<state>`, `ix:k:<kh>` | zset (lex) | ids for listing: all, by state, by key |
-//! | `pay:<hash>` | string | payment status for the compare-and-set, `payment_retention_secs` |
-//! | `x` | zset | expiry index: `d:`, `s:`, `pay:` and finished `m:` members scored by when they end |
+//! | `ix:<state>`, `ix:k:<kh>` | zset (lex) | ids for listing: by state, by key (all states: the state indexes merged) |
+//! | `pay:<hash>` | string | end ms `\|` payment status for the compare-and-set, `payment_retention_secs` |
+//! | `x:<b>` | list | expiry bucket `b` of strings: `d:`, `s:`, `pay:` members whose end falls in hour `b` |
+//! | `xm:<b>` | list | expiry bucket `b` of messages: `m:<id>` members of finished or recorded messages |
+//! | `xb` | zset | the expiry buckets (`x:<b>`, `xm:<b>`) scored by their first ms |
 //!
-//! `<kh>` is [`key_hash`] of the ordering key. The fields of `m:<id>`:
+//! `<h16>` is the first 16 characters (96 bits) of the short hash of the claim key, so the
+//! whole name fits a 32-byte allocation. A stored response is `=` and the response, or `#` and
+//! a message id when the response was exactly `{"messageId":"<id>"}` (rebuilt byte for byte),
+//! which keeps a callback's claim within Redis' 44-byte embedded strings.
+//!
+//! Every string carries its end, so one `SET ... PX` writes it with its Redis TTL and the
+//! caller's clock judges it. Its member goes to the bucket of its end, and the sweeper deletes
+//! a bucket's members whose end has come; string buckets have a Redis TTL too (a day past their
+//! end), so strings stay bounded without a sweeper, as messages do not need (they are swept).
+//!
+//! `<kh>` is [`key_hash`] of the ordering key. The fields of `m:<id>` (absent means the
+//! default, so a new message writes only the first three):
 //!
 //! | field | holds |
 //! |---|---|
 //! | `rec` | the [`NewMessage`](crate::store::NewMessage) as JSON, fixed at acceptance |
 //! | `state` | [`MessageState`] |
-//! | `tries` | delivery attempts recorded |
-//! | `rb` | `tries` when a resend last requeued it: the backoff counts from there |
-//! | `lease` | token of the latest lease |
-//! | `dl` | current deadline (a resend of a finished message opens a fresh one) |
-//! | `resume` | the scheduled attempt a resend brought forward, to resume from (0: none) |
-//! | `again` | 1 when a resend arrived while an attempt was in flight |
 //! | `kh` | [`key_hash`] of the ordering key, so the sweeper finds `ix:k:<kh>` |
-//! | `hn` | history rows ever recorded, kept or dropped |
+//! | `end` | when a finished or recorded message ends (absent while there is work left) |
+//! | `tries` | delivery attempts recorded (0) |
+//! | `rb` | `tries` when a resend last requeued it: the backoff counts from there (0) |
+//! | `lease` | token of the latest lease (0) |
+//! | `dl` | current deadline (the record's): a resend of a finished message opens a fresh one |
+//! | `resume` | the scheduled attempt a resend brought forward, to resume from (0: none) |
+//! | `again` | 1 when a resend arrived while an attempt was in flight (0) |
+//! | `hn` | history rows ever recorded, kept or dropped (0) |
 //!
 //! Outside the partitions: `cb:schema` (the layout version), `cb:partitions` (the partition
 //! count, fixed at first use; a store without it has 16), `cb:upgrading` (the upgrade lock)
 //! and `cb:op:<hash>` (resend operations, which belong to no message), all under the
 //! configured prefix too.
 //!
-//! The scripts build some names themselves from the partition prefix (`m:`, `a:` and `ix:k:`
-//! in claim.lua and sweep.lua, the `m:<id>` expiry members in accept, complete and resend), and
-//! `upgrade.rs` names the version-1 and version-2 keys on its own, since those layouts are
-//! fixed whatever this one becomes. A change to this layout changes them too, and bumps
+//! The scripts build some names themselves from the partition prefix (`m:`, `a:`, `ix:` and
+//! `ix:k:` in claim.lua and sweep.lua, the expiry buckets in expiry.lua), and `upgrade.rs`
+//! names the keys of versions 1 and 2 on its own, since those layouts are fixed whatever this
+//! one becomes. A change to this layout changes them too, and bumps
 //! [`SCHEMA_VERSION`] with an upgrade from the old one.
 
 use crate::digest::short_hash;
@@ -52,8 +66,16 @@ use crate::store::partitions::Partitions;
 use crate::store::{MessageId, MessageState};
 
 /// The layout this binary writes. 1: the first release (TTLs only, global trims);
-/// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history.
-pub const SCHEMA_VERSION: u32 = 2;
+/// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history; 3: ends inside
+/// the strings, hourly expiry buckets, no index of all messages, compact dedupe claims.
+pub const SCHEMA_VERSION: u32 = 3;
+
+/// Width of an expiry bucket: a member is deleted by the first sweep at or after its end, and
+/// at the latest one bucket later when it was pushed behind a later end.
+pub(super) const EXPIRY_BUCKET_MS: u64 = 3_600_000;
+
+/// Characters of the claim key's hash in a dedupe key's name.
+const DEDUPE_HASH_CHARS: usize = 16;
 
 /// The prefix of every key when `store.key_prefix` is not set: the names of every layout
 /// before the prefix was configurable, so the default moves nothing.
@@ -152,12 +174,13 @@ impl Keys {
     fn key(&self, suffix: &str) -> String {
         format!("{}{suffix}", self.0)
     }
-    /// A key's member in the expiry index: its name within the partition.
+    /// A key's name within the partition: its member in an expiry bucket.
     pub(super) fn member<'k>(&self, key: &'k str) -> &'k str {
         key.strip_prefix(self.prefix()).unwrap_or(key)
     }
     pub(super) fn dedupe(&self, claim_key: &str) -> String {
-        self.key(&format!("d:{claim_key}"))
+        let hash = short_hash(claim_key.as_bytes());
+        self.key(&format!("d:{}", &hash[..DEDUPE_HASH_CHARS]))
     }
     pub(super) fn seal(&self, seal_key: &str) -> String {
         self.key(&format!("s:{seal_key}"))
@@ -177,11 +200,8 @@ impl Keys {
     pub(super) fn lease(&self) -> String {
         self.key("lease")
     }
-    pub(super) fn index(&self, state: Option<MessageState>) -> String {
-        match state {
-            None => self.key("ix"),
-            Some(s) => self.key(&format!("ix:{}", s.as_str())),
-        }
+    pub(super) fn index(&self, state: MessageState) -> String {
+        self.key(&format!("ix:{}", state.as_str()))
     }
     pub(super) fn index_of_key(&self, ordering_key: &str) -> String {
         self.key(&format!("ix:k:{}", key_hash(ordering_key)))
@@ -189,7 +209,8 @@ impl Keys {
     pub(super) fn payment(&self, payment_id: &str) -> String {
         self.key(&format!("pay:{}", short_hash(payment_id.as_bytes())))
     }
-    pub(super) fn expiry(&self) -> String {
-        self.key("x")
+    /// The index of expiry buckets.
+    pub(super) fn buckets(&self) -> String {
+        self.key("xb")
     }
 }

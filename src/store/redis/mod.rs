@@ -16,9 +16,10 @@
 //! - **Leases timed by Redis `TIME`.** Everything else takes `now` from the caller, but every
 //!   worker must judge a lease by one clock: a process whose clock runs ahead would otherwise
 //!   take over leases that have not expired yet.
-//! - **Lifetimes by the caller's clock.** A key whose expiry-index score is past `now` counts as
-//!   gone, and [`Store::sweep`] deletes it (a finished message with its history and index
-//!   entries). Redis TTLs on the string keys bound memory even without a sweeper.
+//! - **Lifetimes by the caller's clock.** A string carries its end and counts as gone once `now`
+//!   passes it; what ends has a member in an hourly expiry bucket, and [`Store::sweep`] deletes
+//!   it from there (a finished message with its history and index entries). Redis TTLs on the
+//!   strings and their buckets bound memory even without a sweeper.
 //! - **A versioned layout.** The version is in `cb:schema` (`cb` being `store.key_prefix`); [`RedisStore::upgrade`] brings an
 //!   older layout up to date in place (`upgrade.rs`).
 //! - **A fixed partition count.** `cb:partitions` records `store.partitions` when the store is

@@ -85,37 +85,54 @@ async fn scan_ids(
         Some(t) => format!("({}", MessageId::lower_bound(t + 1)),
         None => "+".to_string(),
     };
-    let indexes: Vec<String> = match &filter.ordering_key {
-        Some(k) => vec![store.keys.of_ordering_key(k).index_of_key(k)],
+    // No index holds every message: without a state filter, a partition's state indexes.
+    let states: &[MessageState] = match &filter.state {
+        Some(state) => std::slice::from_ref(state),
+        None => &MessageState::ALL,
+    };
+    let groups: Vec<Vec<String>> = match &filter.ordering_key {
+        Some(k) => vec![vec![store.keys.of_ordering_key(k).index_of_key(k)]],
         None => store
             .keys
             .all()
-            .map(|keys| keys.index(filter.state))
+            .map(|keys| states.iter().map(|s| keys.index(*s)).collect())
             .collect(),
     };
-    let ranges: Vec<Pipeline> = indexes
+    // A partition's indexes are read in one MULTI: without a state filter a message is in
+    // exactly one of them at any moment, so it is seen once, never zero times.
+    let ranges: Vec<Pipeline> = groups
         .iter()
-        .map(|index| {
+        .map(|indexes| {
             let mut pipe = redis::pipe();
-            pipe.cmd("ZRANGE")
-                .arg(index)
-                .arg(&min)
-                .arg(&max)
-                .arg("BYLEX")
-                .arg("LIMIT")
-                .arg(0)
-                .arg(limit);
+            pipe.cmd("MULTI");
+            for index in indexes {
+                pipe.cmd("ZRANGE")
+                    .arg(index)
+                    .arg(&min)
+                    .arg(&max)
+                    .arg("BYLEX")
+                    .arg("LIMIT")
+                    .arg(0)
+                    .arg(limit);
+            }
+            pipe.cmd("EXEC");
             pipe
         })
         .collect();
     // Each partition's first `limit` ids above `after`: the `limit` smallest of them all are
     // the next ids of the merged order, whatever the partitions' sizes.
-    let pages: Vec<(Vec<String>,)> = store.every_partition(Sent::Read, &ranges).await?;
-    let mut ids: Vec<MessageId> = pages
-        .into_iter()
-        .flat_map(|(page,)| page)
-        .filter_map(|s| MessageId::parse(&s))
-        .collect();
+    let replies: Vec<Vec<Value>> = store.every_partition(Sent::Read, &ranges).await?;
+    let mut ids = Vec::new();
+    for mut reply in replies {
+        // MULTI's OK, a QUEUED per range, then EXEC's replies
+        let pages: Vec<Vec<String>> = decode(reply.pop().unwrap_or(Value::Nil))?;
+        ids.extend(
+            pages
+                .into_iter()
+                .flatten()
+                .filter_map(|s| MessageId::parse(&s)),
+        );
+    }
     ids.sort();
     ids.truncate(limit);
     Ok(ids)
@@ -222,11 +239,12 @@ pub(super) async fn payment_status(
     let keys = store
         .keys
         .of_ordering_key(&crate::payment::ordering_key(payment_id));
-    let key = keys.payment(payment_id);
-    let mut pipe = redis::pipe();
-    pipe.get(&key).zscore(keys.expiry(), keys.member(&key));
-    let (status, ends): (Option<String>, Option<f64>) = store.send(&pipe).await?;
-    Ok(status.filter(|_| ends.is_none_or(|e| e as Millis > now)))
+    let value: Option<String> = store.send(&Cmd::get(keys.payment(payment_id))).await?;
+    // `<end ms>|<status>` (keys.rs)
+    Ok(value.and_then(|v| {
+        let (ends, status) = v.split_once('|')?;
+        (ends.parse::<Millis>().ok()? > now).then(|| status.to_string())
+    }))
 }
 
 pub(super) async fn depth(store: &RedisStore) -> Result<QueueDepth, StoreError> {
@@ -241,7 +259,7 @@ pub(super) async fn depth(store: &RedisStore) -> Result<QueueDepth, StoreError> 
         .map(|keys| {
             let mut pipe = redis::pipe();
             for state in COUNTED {
-                pipe.zcard(keys.index(Some(state)));
+                pipe.zcard(keys.index(state));
             }
             pipe
         })
@@ -265,7 +283,7 @@ pub(super) async fn oldest_unfinished(store: &RedisStore) -> Result<Option<Messa
         .map(|keys| {
             let mut pipe = redis::pipe();
             for state in [MessageState::Pending, MessageState::InFlight] {
-                pipe.zrange(keys.index(Some(state)), 0, 0);
+                pipe.zrange(keys.index(state), 0, 0);
             }
             pipe
         })

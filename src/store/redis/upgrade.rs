@@ -8,9 +8,17 @@
 //! `hn` (history rows ever). Payment states get their own, longer lifetime. Index entries of
 //! messages that v1 already expired are dropped.
 //!
+//! Version 3 keeps each string's end inside its value and expires through hourly buckets
+//! instead of a sorted set with a member per key (keys.rs), and has no index of all messages.
+//! Each member of a partition's v2 expiry index is rewritten in the v3 form (a dedupe claim
+//! under its shorter name, with its remaining Redis TTL; a finished message gets its `end`
+//! field) and leaves the v2 index in the same transaction, so a page is upgraded entirely or
+//! not at all. The index of all messages is dropped last.
+//!
 //! Every step is idempotent (members are added with `NX`, a payment is extended only while
-//! it has no member yet), so an upgrade cut short by a crash is simply run again. The version
-//! key is written last. Old processes must be stopped first: they would keep writing v1.
+//! it has no member yet, a v2 expiry member leaves with its upgrade), so an upgrade cut short
+//! by a crash is simply run again. The version key is written last. Old processes must be
+//! stopped first: they would keep writing the old layout.
 //!
 //! Keys are scanned on every primary (each master of a cluster holds its own), and each page's
 //! writes are one transaction per partition, since a cluster runs a transaction in one slot.
@@ -25,8 +33,9 @@ use std::time::Duration;
 
 use redis::{Cmd, Pipeline, Value};
 
+use super::commands::stored_response;
 use super::connection::Primary;
-use super::keys::SCHEMA_VERSION;
+use super::keys::{EXPIRY_BUCKET_MS, Keys, SCHEMA_VERSION};
 use super::{RedisStore, unavailable};
 use crate::clock::Millis;
 use crate::digest::short_hash;
@@ -37,6 +46,9 @@ const PAGE: usize = 500;
 
 /// How long the upgrade lock is held: the longest a process waits for another's upgrade.
 const UPGRADE_LOCK_MS: u64 = 600_000;
+
+/// How long a string expiry bucket outlives its end (expiry.lua's `BUCKET_GRACE_MS`).
+const BUCKET_GRACE_MS: i64 = 86_400_000;
 
 impl RedisStore {
     /// Brings the store to [`SCHEMA_VERSION`] and returns the version it found. A new store
@@ -78,7 +90,10 @@ impl RedisStore {
         if mine.is_none() {
             return self.wait_for_upgrade(found).await;
         }
-        self.v1_to_v2(now).await.map_err(during_upgrade)?;
+        if found == 1 {
+            self.v1_to_v2(now).await.map_err(during_upgrade)?;
+        }
+        self.v2_to_v3(now).await.map_err(during_upgrade)?;
         // Two writes, as the two keys may live on two masters; a crash in between leaves a lock
         // that expires.
         self.write::<()>(&Cmd::set(&schema_key, SCHEMA_VERSION))
@@ -308,6 +323,113 @@ impl RedisStore {
             }
             cursor = next;
         }
+    }
+}
+
+impl RedisStore {
+    /// Upgrades every partition from version 2 to 3, a page of its v2 expiry index at a time.
+    async fn v2_to_v3(&self, now: Millis) -> Result<(), StoreError> {
+        for keys in self.keys.all() {
+            let prefix = keys.prefix();
+            let v2_expiry = format!("{prefix}x");
+            loop {
+                let mut page = redis::cmd("ZRANGE");
+                page.arg(&v2_expiry).arg(0).arg(PAGE - 1).arg("WITHSCORES");
+                let members: Vec<(String, f64)> = self.send(&page).await?;
+                if members.is_empty() {
+                    break;
+                }
+                let mut read = redis::pipe();
+                for (member, _) in &members {
+                    let key = format!("{prefix}{member}");
+                    read.get(&key).pttl(&key).exists(&key);
+                }
+                let found: Vec<(Option<String>, i64, bool)> = self.send(&read).await?;
+                let mut writes = redis::pipe();
+                writes.atomic();
+                for ((member, ends), (value, pttl, exists)) in members.iter().zip(found) {
+                    let ends = *ends as Millis;
+                    upgrade_expiring(&mut writes, &keys, member, ends, value, pttl, exists, now)?;
+                    writes.zrem(&v2_expiry, member).ignore();
+                }
+                self.write::<Value>(&writes).await?;
+            }
+            self.write::<()>(&Cmd::del(format!("{prefix}ix"))).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Adds the v3 form of one member of a v2 expiry index, ending at `ends`, to `writes`: the
+/// string (its v2 `value` and `pttl`) or the message (`exists`), and its expiry bucket member.
+#[allow(clippy::too_many_arguments)]
+fn upgrade_expiring(
+    writes: &mut redis::Pipeline,
+    keys: &Keys,
+    member: &str,
+    ends: Millis,
+    value: Option<String>,
+    pttl: i64,
+    exists: bool,
+    now: Millis,
+) -> Result<(), StoreError> {
+    let prefix = keys.prefix();
+    let old = format!("{prefix}{member}");
+    let pttl = if pttl > 0 { pttl } else { (ends - now).max(1) };
+    let v3_member = if member.starts_with("m:") {
+        if exists {
+            writes.hset(&old, "end", ends).ignore();
+            add_expiry(writes, prefix, "xm", member, ends, now);
+        }
+        return Ok(());
+    } else if let Some(claim_key) = member.strip_prefix("d:") {
+        let Some(value) = value else { return Ok(()) };
+        let (fingerprint, response) = value.split_once('\n').ok_or_else(|| {
+            StoreError::Corrupt(format!("dedupe claim {old} during upgrade: no fingerprint"))
+        })?;
+        let new = keys.dedupe(claim_key);
+        let payload = format!("{ends}|{fingerprint}\n{}", stored_response(response));
+        writes.del(&old).ignore();
+        writes.pset_ex(&new, payload, pttl as u64).ignore();
+        keys.member(&new).to_string()
+    } else if member.starts_with("s:") {
+        let Some(value) = value else { return Ok(()) };
+        let payload = format!("{ends}|{}", stored_response(&value));
+        writes.pset_ex(&old, payload, pttl as u64).ignore();
+        member.to_string()
+    } else if member.starts_with("pay:") {
+        let Some(value) = value else { return Ok(()) };
+        writes
+            .pset_ex(&old, format!("{ends}|{value}"), pttl as u64)
+            .ignore();
+        member.to_string()
+    } else {
+        return Ok(());
+    };
+    add_expiry(writes, prefix, "x", &v3_member, ends, now);
+    Ok(())
+}
+
+/// expiry.lua's `add_expiry`, for the upgrade.
+fn add_expiry(
+    writes: &mut redis::Pipeline,
+    prefix: &str,
+    kind: &str,
+    member: &str,
+    ends: Millis,
+    now: Millis,
+) {
+    let bucket_ms = EXPIRY_BUCKET_MS as i64;
+    let b = ends.div_euclid(bucket_ms);
+    let name = format!("{kind}:{b}");
+    let list = format!("{prefix}{name}");
+    writes.rpush(&list, member).ignore();
+    writes
+        .zadd(format!("{prefix}xb"), &name, b * bucket_ms)
+        .ignore();
+    if kind == "x" {
+        let lifetime = ((b + 1) * bucket_ms - now).max(1) + BUCKET_GRACE_MS;
+        writes.pexpire(&list, lifetime).ignore();
     }
 }
 

@@ -31,7 +31,8 @@ for _, id in ipairs(ids) do
     redis.call('ZADD', KEYS[2], lease_until, id)
     redis.call('ZREM', KEYS[3], id)
     redis.call('ZADD', KEYS[4], 0, id)
-    table.insert(out, {f[1], tostring(token), f[2], f[3], f[4]})
+    -- absent fields are their defaults; no `dl` is the record's deadline
+    table.insert(out, {f[1], tostring(token), f[2] or '0', f[3] or '0', f[4] or ''})
   end
 end
 return out

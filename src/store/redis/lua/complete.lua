@@ -2,7 +2,7 @@
 -- Records a delivery attempt and its consequence, if the caller still holds the lease.
 -- KEYS: 1 message hash, 2 attempts list, 3 lease zset, 4 due zset, 5 ordering queue,
 --       6 in_flight index, 7 pending index, 8 index of the final state (delivered/dead),
---       9 expiry index
+--       9 expiry bucket index
 -- ARGV: 1 id, 2 lease token, 3 outcome (delivered|retry|dead), 4 attempt json,
 --       5 next attempt ms, 6 now ms, 7 retention secs, 8 history tail
 local id = ARGV[1]
@@ -28,15 +28,18 @@ if outcome == 'retry' or cur[4] == '1' then
   -- an operator's resend brought this attempt forward: the automatic schedule resumes
   -- where it was, neither shortened nor pushed back
   if outcome == 'retry' and resume >= tonumber(ARGV[6]) then next_at = resume end
-  redis.call('HSET', KEYS[1], 'state', 'pending', 'resume', 0, 'again', 0)
+  redis.call('HSET', KEYS[1], 'state', 'pending')
+  redis.call('HDEL', KEYS[1], 'resume', 'again')
   redis.call('ZADD', KEYS[4], next_at, id)
   redis.call('ZADD', KEYS[7], 0, id)
   return 1
 end
-redis.call('HSET', KEYS[1], 'state', outcome, 'resume', 0, 'again', 0)
+redis.call('HSET', KEYS[1], 'state', outcome)
+if cur[3] or cur[4] then redis.call('HDEL', KEYS[1], 'resume', 'again') end
 redis.call('ZADD', KEYS[8], 0, id)
 -- finished: kept for the retention, then the sweeper deletes it with its index entries
-redis.call('ZADD', KEYS[9], tonumber(ARGV[6]) + tonumber(ARGV[7]) * 1000, 'm:' .. id)
+local now = tonumber(ARGV[6])
+expire_message(KEYS[9], KEYS[1], id, now + tonumber(ARGV[7]) * 1000, now)
 redis.call('LREM', KEYS[5], 1, id)
 local head = redis.call('LINDEX', KEYS[5], 0)
 if head then

@@ -1,21 +1,50 @@
 -- Implements store::lifecycle::sweep (src/store/lifecycle.rs).
--- Deletes what expired in one partition: everything whose expiry-index score is past `now`.
--- KEYS: 1 expiry index, 2 index of all, 3 delivered index, 4 dead index, 5 recorded index
--- ARGV: 1 now ms, 2 limit, 3 partition prefix
-local prefix = ARGV[3]
-local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
-for _, member in ipairs(gone) do
-  redis.call('ZREM', KEYS[1], member)
-  if string.sub(member, 1, 2) == 'm:' then
-    -- a finished message: its record, history and every index entry
-    local id = string.sub(member, 3)
-    local key = prefix .. member
-    local kh = redis.call('HGET', key, 'kh')
-    redis.call('DEL', key, prefix .. 'a:' .. id)
-    for i = 2, 5 do redis.call('ZREM', KEYS[i], id) end
-    if kh then redis.call('ZREM', prefix .. 'ix:k:' .. kh, id) end
-  else
-    redis.call('DEL', prefix .. member)
-  end
+-- Deletes what ended in one partition: the members of every expiry bucket that has begun
+-- whose end is at or before `now`. A bucket's members were pushed in the order they were
+-- written, nearly the order of their ends: a member still live stops its bucket (it and any
+-- behind it are deleted by a later sweep, at the latest when the bucket has ended).
+-- KEYS: 1 expiry bucket index
+-- ARGV: 1 now ms, 2 limit
+local now = tonumber(ARGV[1])
+local limit = tonumber(ARGV[2])
+local prefix = string.sub(KEYS[1], 1, -3)
+local done = 0
+local function delete_message(member)
+  local key = prefix .. member
+  local id = string.sub(member, 3)
+  local f = redis.call('HMGET', key, 'kh', 'state')
+  redis.call('DEL', key, prefix .. 'a:' .. id)
+  if f[2] then redis.call('ZREM', prefix .. 'ix:' .. f[2], id) end
+  if f[1] then redis.call('ZREM', prefix .. 'ix:k:' .. f[1], id) end
 end
-return #gone
+local buckets = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, limit)
+for _, bucket in ipairs(buckets) do
+  local list = prefix .. bucket
+  local messages = string.sub(bucket, 1, 3) == 'xm:'
+  local b = tonumber(string.match(bucket, ':(%d+)$'))
+  while done < limit do
+    local member = redis.call('LINDEX', list, 0)
+    if not member then break end
+    local ends
+    if messages then
+      ends = tonumber(redis.call('HGET', prefix .. member, 'end') or '')
+    else
+      ends = end_of(redis.call('GET', prefix .. member))
+    end
+    if ends and ends <= now then
+      if messages then delete_message(member) else redis.call('DEL', prefix .. member) end
+    elseif ends and math.floor(ends / EXPIRY_BUCKET_MS) == b then
+      break
+    end
+    -- over, gone, live again (a resent message), or written again with a later end (which
+    -- put it in a later bucket): this member is done
+    redis.call('LPOP', list)
+    done = done + 1
+  end
+  if redis.call('EXISTS', list) == 0 then
+    redis.call('ZREM', KEYS[1], bucket)
+    done = done + 1
+  end
+  if done >= limit then break end
+end
+return done
