@@ -339,17 +339,23 @@ impl RedisStore {
                 if members.is_empty() {
                     break;
                 }
+                // A string's value, or a message's record (present while the message is).
                 let mut read = redis::pipe();
                 for (member, _) in &members {
                     let key = format!("{prefix}{member}");
-                    read.get(&key).pttl(&key).exists(&key);
+                    if member.starts_with("m:") {
+                        read.hget(&key, "rec");
+                    } else {
+                        read.get(&key);
+                    }
+                    read.pttl(&key);
                 }
-                let found: Vec<(Option<String>, i64, bool)> = self.send(&read).await?;
+                let found: Vec<(Option<String>, i64)> = self.send(&read).await?;
                 let mut writes = redis::pipe();
                 writes.atomic();
-                for ((member, ends), (value, pttl, exists)) in members.iter().zip(found) {
+                for ((member, ends), (value, pttl)) in members.iter().zip(found) {
                     let ends = *ends as Millis;
-                    upgrade_expiring(&mut writes, &keys, member, ends, value, pttl, exists, now)?;
+                    upgrade_expiring(&mut writes, &keys, member, ends, value, pttl, now)?;
                     writes.zrem(&v2_expiry, member).ignore();
                 }
                 self.write::<Value>(&writes).await?;
@@ -361,8 +367,8 @@ impl RedisStore {
 }
 
 /// Adds the v3 form of one member of a v2 expiry index, ending at `ends`, to `writes`: the
-/// string (its v2 `value` and `pttl`) or the message (`exists`), and its expiry bucket member.
-#[allow(clippy::too_many_arguments)]
+/// string (its v2 `value` and `pttl`) or the message (`value` is its record, `None` when it is
+/// gone), and its expiry bucket member.
 fn upgrade_expiring(
     writes: &mut redis::Pipeline,
     keys: &Keys,
@@ -370,14 +376,13 @@ fn upgrade_expiring(
     ends: Millis,
     value: Option<String>,
     pttl: i64,
-    exists: bool,
     now: Millis,
 ) -> Result<(), StoreError> {
     let prefix = keys.prefix();
     let old = format!("{prefix}{member}");
     let pttl = if pttl > 0 { pttl } else { (ends - now).max(1) };
     let v3_member = if member.starts_with("m:") {
-        if exists {
+        if value.is_some() {
             writes.hset(&old, "end", ends).ignore();
             add_expiry(writes, prefix, "xm", member, ends, now);
         }
