@@ -53,25 +53,30 @@ impl Footprint {
     }
 
     /// Nothing is left but the layout version, the partition count and one payment state: on
-    /// Redis its key and its member in the partition's expiry index, on SQLite its row.
+    /// Redis its key, the expiry buckets holding its member (one per transition, each ending
+    /// when a transition would have) and the partition's bucket index; on SQLite its row.
     fn assert_only_a_payment_state_is_left(&self) {
         match self {
             Footprint::Redis(redis) => {
                 let mut keys: Vec<String> =
                     redis.cli(&["--scan"]).lines().map(str::to_string).collect();
                 keys.sort();
-                let [partitions, schema, payment, expiry] = &keys[..] else {
+                let [partitions, schema, payment, buckets @ .., index] = &keys[..] else {
                     panic!("keys left: {keys:?}");
                 };
                 assert_eq!(partitions, "cb:partitions");
                 assert_eq!(schema, "cb:schema");
                 assert!(payment.contains(":pay:"), "{keys:?}");
-                assert!(expiry.ends_with(":x"), "{keys:?}");
-                let members = redis.cli(&["ZRANGE", expiry, "0", "-1"]);
-                assert!(
-                    payment.ends_with(&members),
-                    "the expiry index holds only the payment: {members}"
-                );
+                assert!(index.ends_with(":xb"), "{keys:?}");
+                assert!(!buckets.is_empty(), "{keys:?}");
+                for bucket in buckets {
+                    assert!(bucket.contains(":x:"), "{keys:?}");
+                    let members = redis.cli(&["LRANGE", bucket, "0", "-1"]);
+                    assert!(
+                        members.lines().all(|m| payment.ends_with(m)),
+                        "{bucket} holds only the payment: {members}"
+                    );
+                }
             }
             Footprint::Sqlite(path) => {
                 let left: Vec<(String, u64)> = self
