@@ -374,7 +374,7 @@ async fn bad_requests_get_json_errors_and_change_nothing() {
     assert_eq!(message_keys(&redis), 0);
     assert_eq!(
         redis.cli(&["GET", "cb:schema"]),
-        "2",
+        callbackd::store::redis::SCHEMA_VERSION.to_string(),
         "the layout version is written at start-up"
     );
     assert_eq!(

@@ -2422,9 +2422,7 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
         ..request("another/claim", inbound("payzu", "tx-v2", now))
     };
     assert_eq!(
-        s.accept(resigned, now)
-            .await
-            .unwrap(),
+        s.accept(resigned, now).await.unwrap(),
         AcceptOutcome::Replayed {
             response: answer(&recorded.message.id)
         }
