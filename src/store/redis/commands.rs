@@ -485,14 +485,19 @@ pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, Stor
 /// The start of a response that [`stored_response`] keeps as the message id alone.
 const MESSAGE_ID_RESPONSE: (&str, &str) = (r#"{"messageId":""#, r#""}"#);
 
-/// How a dedupe claim or seal stores the response a repeat gets (keys.rs): `#` and the id when
-/// it is exactly `{"messageId":"<id>"}`, else `=` and the response.
+/// Every message id starts with it; a stored response leaves it out.
+const ID_PREFIX: &str = "msg_";
+
+/// How a dedupe claim or seal stores the response a repeat gets (keys.rs): `#` and the id
+/// without its `msg_` when it is exactly `{"messageId":"<id>"}` (so a callback's claim fits
+/// Redis' 44-byte embedded strings), else `=` and the response.
 pub(super) fn stored_response(response: &str) -> String {
     let (open, close) = MESSAGE_ID_RESPONSE;
     match response
         .strip_prefix(open)
         .and_then(|rest| rest.strip_suffix(close))
-        .and_then(MessageId::parse)
+        .filter(|id| MessageId::parse(id).is_some())
+        .and_then(|id| id.strip_prefix(ID_PREFIX))
     {
         Some(id) => format!("#{id}"),
         None => format!("={response}"),
@@ -503,7 +508,7 @@ pub(super) fn stored_response(response: &str) -> String {
 pub(super) fn stored_response_text(stored: &str) -> Result<String, StoreError> {
     let (open, close) = MESSAGE_ID_RESPONSE;
     if let Some(id) = stored.strip_prefix('#') {
-        Ok(format!("{open}{id}{close}"))
+        Ok(format!("{open}{ID_PREFIX}{id}{close}"))
     } else if let Some(response) = stored.strip_prefix('=') {
         Ok(response.to_string())
     } else {
@@ -529,10 +534,10 @@ mod tests {
             let stored = stored_response(&response);
             assert_eq!(stored_response_text(&stored).unwrap(), response);
         }
-        assert_eq!(
-            stored_response(&format!(r#"{{"messageId":"{id}"}}"#)),
-            format!("#{id}")
-        );
+        let stored = stored_response(&format!(r#"{{"messageId":"{id}"}}"#));
+        assert_eq!(stored, format!("#{}", &id.as_str()[4..]));
+        // end ms, `|`, no fingerprint, `\n`, the stored response: an embedded string
+        assert!(13 + 1 + 1 + stored.len() <= 44, "{stored}");
     }
 
     #[test]

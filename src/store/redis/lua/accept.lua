@@ -46,15 +46,17 @@ local id = ARGV[4]
 put(KEYS[8], KEYS[1], ARGV[2] .. '\n' .. ARGV[3], now + tonumber(ARGV[1]) * 1000, now)
 seal(ARGV[3])
 -- The other fields start at their defaults, which an absent field means.
-redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13])
-redis.call('ZADD', KEYS[5], 0, id)
-redis.call('ZADD', KEYS[6], 0, id)
 if ARGV[7] == 'pending' then
+  redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13])
   if redis.call('RPUSH', KEYS[3], id) == 1 then
     redis.call('ZADD', KEYS[4], ARGV[6], id)
   end
 else
   -- recorded: nothing to deliver, kept for the message retention
-  expire_message(KEYS[8], KEYS[2], id, now + tonumber(ARGV[11]) * 1000, now)
+  local ends = now + tonumber(ARGV[11]) * 1000
+  redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13], 'end', ends)
+  add_expiry(KEYS[8], 'xm', 'm:' .. id, ends, now)
 end
+redis.call('ZADD', KEYS[5], 0, id)
+redis.call('ZADD', KEYS[6], 0, id)
 return {'ok'}
