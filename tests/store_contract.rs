@@ -2273,6 +2273,15 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
 /// still there, and every message goes on from where it was.
 async fn the_second_release_fixture_goes_on(s: &dyn Store) {
     const HOUR_MS: Millis = 3_600_000;
+    // New requests name a partition of this store (an old store keeps its 16).
+    let in_store = |mut req: AcceptRequest| {
+        req.message.id = MessageId::generate(
+            req.message.created_at,
+            &req.message.ordering_key,
+            s.partitions(),
+        );
+        req
+    };
     let now = T0 + 10_000;
     let all = list_all(
         s,
@@ -2381,7 +2390,7 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
         .filter(|r| r.message.ordering_key.starts_with("v2/"))
     {
         let key = &record.message.ordering_key;
-        let mut retry = request(&format!("claim/{key}"), new_message(key, now));
+        let mut retry = in_store(request(&format!("claim/{key}"), new_message(key, now)));
         assert_eq!(
             s.accept(retry.clone(), now).await.unwrap(),
             AcceptOutcome::Replayed {
@@ -2393,17 +2402,23 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
         assert_eq!(s.accept(retry, now).await.unwrap(), AcceptOutcome::Conflict);
     }
     assert_eq!(
-        s.accept(notification("pay-v2", "settled", &["approved"], now), now)
-            .await
-            .unwrap(),
+        s.accept(
+            in_store(notification("pay-v2", "settled", &["approved"], now)),
+            now
+        )
+        .await
+        .unwrap(),
         AcceptOutcome::Replayed {
             response: answer(&pay2.message.id)
         }
     );
     assert_eq!(
-        s.accept(notification("pay-v2", "refunded", &["approved"], now), now)
-            .await
-            .unwrap(),
+        s.accept(
+            in_store(notification("pay-v2", "refunded", &["approved"], now)),
+            now
+        )
+        .await
+        .unwrap(),
         AcceptOutcome::InvalidTransition {
             from: "settled".into()
         }
@@ -2422,7 +2437,7 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
         ..request("another/claim", inbound("payzu", "tx-v2", now))
     };
     assert_eq!(
-        s.accept(resigned, now).await.unwrap(),
+        s.accept(in_store(resigned), now).await.unwrap(),
         AcceptOutcome::Replayed {
             response: answer(&recorded.message.id)
         }
