@@ -23,7 +23,7 @@ use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
 use callbackd::store::lifecycle::{self, Lifetimes, Model};
 use callbackd::store::partitions::Partitions;
-use callbackd::store::redis::{RedisOptions, RedisStore};
+use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::SqliteStore;
 use callbackd::store::{
     AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind,
@@ -610,20 +610,7 @@ async fn open(engine: &Engine) -> (Box<dyn Store>, Option<tempfile::TempDir>) {
             (Box::new(store), None)
         }
         Engine::Cluster(cluster) => {
-            let options = RedisOptions {
-                key_prefix: RedisCluster::unique_prefix(),
-                ..RedisOptions::default()
-            };
-            let store = RedisStore::connect_with(
-                &cluster.url(),
-                Duration::from_secs(2),
-                RETENTION_SECS,
-                &options,
-            )
-            .await
-            .expect("connect to the private cluster")
-            .with_caller_clock_leases();
-            store.upgrade(T0).await.expect("stamp the layout version");
+            let (store, _prefix) = cluster.store_of_its_own(RETENTION_SECS, T0).await;
             (Box::new(store), None)
         }
         Engine::Sqlite => {

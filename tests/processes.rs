@@ -41,6 +41,21 @@ async fn holding_first(gate: &Gate) -> Sink {
     .await
 }
 
+/// A sink that answers 204 and counts the deliveries of each message id.
+async fn counting_sink() -> (Sink, Arc<Mutex<HashMap<String, usize>>>) {
+    let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let sink = Sink::start({
+        let seen = seen.clone();
+        move |req, _| {
+            let id = req.header("x-callbackd-message-id").unwrap_or_default();
+            *seen.lock().unwrap().entry(id).or_default() += 1;
+            Reply::status(204)
+        }
+    })
+    .await;
+    (sink, seen)
+}
+
 async fn view(client: &reqwest::Client, base: &str, id: &str) -> Option<Value> {
     client
         .get(format!("{base}/v1/messages/{id}"))
@@ -102,16 +117,7 @@ async fn a_worker_killed_mid_delivery_is_replaced_after_its_lease() {
 #[tokio::test]
 async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
     let redis = RedisServer::start_with("everysec");
-    let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-    let sink = Sink::start({
-        let seen = seen.clone();
-        move |req, _| {
-            let id = req.header("x-callbackd-message-id").unwrap_or_default();
-            *seen.lock().unwrap().entry(id).or_default() += 1;
-            Reply::status(204)
-        }
-    })
-    .await;
+    let (sink, seen) = counting_sink().await;
     let processes: Vec<Process> = (0..3).map(|_| Process::start(&redis.url(), "")).collect();
     let urls: Vec<String> = processes.iter().map(|p| p.url.clone()).collect();
     let client = support::client();
@@ -147,16 +153,7 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
 #[tokio::test]
 async fn two_processes_on_a_cluster_deliver_three_hundred_hand_offs_exactly_once() {
     let cluster = RedisCluster::start();
-    let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-    let sink = Sink::start({
-        let seen = seen.clone();
-        move |req, _| {
-            let id = req.header("x-callbackd-message-id").unwrap_or_default();
-            *seen.lock().unwrap().entry(id).or_default() += 1;
-            Reply::status(204)
-        }
-    })
-    .await;
+    let (sink, seen) = counting_sink().await;
     let acked = [("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "1")];
     let processes: Vec<Process> = cluster.nodes()[..2]
         .iter()

@@ -19,7 +19,7 @@ use std::time::Duration;
 use callbackd::payment;
 use callbackd::store::ids::partition_of;
 use callbackd::store::partitions::Partitions;
-use callbackd::store::redis::{RedisOptions, RedisStore};
+use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry, Lease,
@@ -102,23 +102,10 @@ impl Harness {
     /// The engine on a Redis Cluster, as `store.min_replicas_acked = 1` runs it: every call
     /// fanned out per partition and every write acknowledged by its master's replica.
     async fn cluster() -> Harness {
-        let cluster = RedisCluster::shared();
-        let prefix = RedisCluster::unique_prefix();
-        let options = RedisOptions {
-            key_prefix: prefix.clone(),
-            ..RedisOptions::default()
-        };
-        let store = RedisStore::connect_with(
-            &cluster.url(),
-            Duration::from_secs(2),
-            RETENTION_SECS,
-            &options,
-        )
-        .await
-        .expect("connect to the private cluster")
-        .with_caller_clock_leases()
-        .with_min_replicas_acked(1);
-        store.upgrade(T0).await.expect("stamp the layout version");
+        let (store, prefix) = RedisCluster::shared()
+            .store_of_its_own(RETENTION_SECS, T0)
+            .await;
+        let store = store.with_min_replicas_acked(1);
         Harness {
             store: Box::new(store),
             backend: Backend::Cluster { prefix },

@@ -43,6 +43,33 @@ impl RedisCluster {
         format!("t{}", NEXT.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// A store on this cluster under a [`RedisCluster::unique_prefix`] of its own (returned
+    /// with it), its leases timed by the caller's clock since the tests move a virtual one,
+    /// and its layout stamped at `now`.
+    pub async fn store_of_its_own(
+        &self,
+        retention_secs: u64,
+        now: callbackd::clock::Millis,
+    ) -> (callbackd::store::redis::RedisStore, String) {
+        use callbackd::store::redis::{RedisOptions, RedisStore};
+        let prefix = Self::unique_prefix();
+        let options = RedisOptions {
+            key_prefix: prefix.clone(),
+            ..RedisOptions::default()
+        };
+        let store = RedisStore::connect_with(
+            &self.url(),
+            Duration::from_secs(2),
+            retention_secs,
+            &options,
+        )
+        .await
+        .expect("connect to the cluster")
+        .with_caller_clock_leases();
+        store.upgrade(now).await.expect("stamp the layout version");
+        (store, prefix)
+    }
+
     fn try_start(
         watched: bool,
         node_args: impl Fn() -> Vec<String>,
