@@ -148,3 +148,20 @@ pub fn run_bounded(mut cmd: Command, timeout: Duration, out_path: &Path) -> Resu
     }
     std::fs::read_to_string(out_path).map_err(|e| e.to_string())
 }
+
+/// CPU seconds every core of the machine spent busy since boot (/proc/stat: all but idle and
+/// iowait), to tell how much of the machine other work took during a measurement.
+pub fn machine_busy_secs() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<f64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    // guest time is already counted in user and nice
+    let total: f64 = ticks.iter().take(8).sum();
+    Some((total - idle) / clock_ticks())
+}
