@@ -165,3 +165,24 @@ pub fn machine_busy_secs() -> Option<f64> {
     let total: f64 = ticks.iter().take(8).sum();
     Some((total - idle) / clock_ticks())
 }
+
+/// CPU seconds `pid` (or this process) has run so far, to the nanosecond: the sum of its
+/// threads' /proc schedstat run times. [`cpu_secs`] counts in clock ticks (10 ms), too coarse
+/// for a second of an idle process; this misses threads that have exited, which a running
+/// Redis or callbackd hardly has.
+pub fn cpu_secs_fine(pid: Option<u32>) -> Option<f64> {
+    let tasks = match pid {
+        Some(p) => format!("/proc/{p}/task"),
+        None => "/proc/self/task".into(),
+    };
+    let mut ns = 0u64;
+    for task in std::fs::read_dir(tasks).ok()?.flatten() {
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+        ns += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Some(ns as f64 / 1e9)
+}

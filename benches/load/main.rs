@@ -107,7 +107,7 @@ struct Plan {
     due_n: u64,
     redis_bench_n: u64,
     sqlite_secs: f64,
-    /// Each ingest of phase 7 (three of them); its idle-dispatcher reading lasts a third.
+    /// Each ingest of phase 7 (three of them); its idle-dispatcher readings last two thirds.
     cluster_secs: f64,
     /// Longest a drain is watched; the rate is taken over what arrived.
     drain_cap_secs: f64,
