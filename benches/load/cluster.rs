@@ -14,6 +14,7 @@
 use std::time::{Duration, Instant};
 
 use callbackd::store::partitions::Partitions;
+use callbackd::store::redis::DEFAULT_KEY_PREFIX;
 
 use crate::daemon::Daemon;
 use crate::dispatch::{Drained, drain, hand_off};
@@ -147,7 +148,7 @@ impl Sample {
         }
         let own = [
             us(self.callbackd, later.callbackd).map(|v| format!("callbackd {v:.0}")),
-            us(self.generator, later.generator).map(|v| format!("load generator {v:.0}")),
+            us(self.generator, later.generator).map(|v| format!("bench (generator + sink) {v:.0}")),
         ];
         let sums = if target.nodes.len() > 1 {
             format!(" (masters together {writers:.1}, replicas together {replicas:.1})")
@@ -457,13 +458,15 @@ async fn partition_layout(cluster: &RedisCluster, target: &Target) -> Result<Str
     Ok(format!("{} (of {count})", shares.join(", ")))
 }
 
-/// `<prefix>:partitions` as the store recorded it: the master holding it answers, the others
-/// redirect.
+/// `<prefix>:partitions` as the store recorded it (the prefix may come through the
+/// environment): the master holding it answers, the others redirect.
 async fn recorded_partitions(target: &Target) -> Option<u16> {
+    let prefix =
+        std::env::var("CALLBACKD__STORE__KEY_PREFIX").unwrap_or_else(|_| DEFAULT_KEY_PREFIX.into());
     for node in target.writers() {
         let mut conn = connect(&node.url()).await.ok()?;
         if let Ok(Some(count)) = redis::cmd("GET")
-            .arg("cb:partitions")
+            .arg(format!("{prefix}:partitions"))
             .query_async::<Option<u16>>(&mut conn)
             .await
         {
