@@ -39,6 +39,18 @@ impl Daemon {
         store_url: &str,
         dispatch: bool,
     ) -> Result<Daemon, String> {
+        Self::start_with_env(dir, name, store_url, dispatch, &[]).await
+    }
+
+    /// [`Daemon::start`] with settings of its own in `CALLBACKD__*` variables, e.g. one run
+    /// with `store.min_replicas_acked` set; they win over the environment's.
+    pub async fn start_with_env(
+        dir: &Path,
+        name: &str,
+        store_url: &str,
+        dispatch: bool,
+        settings: &[(&str, &str)],
+    ) -> Result<Daemon, String> {
         let bin = env!("CARGO_BIN_EXE_callbackd");
         let port = free_port();
         // The queue-scale phase queues payzu callbacks for the sink on 127.0.0.1 straight
@@ -88,6 +100,7 @@ allow_private_forward_url = true
         {
             cmd.env_remove(var);
         }
+        cmd.envs(settings.iter().copied());
         let deadline = Instant::now() + READY_TIMEOUT;
         let tail = || log_tail(&log);
         // On the blocking pool: the wait sleeps its thread, and the runtime's two workers

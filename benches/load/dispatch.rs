@@ -9,30 +9,16 @@ use std::time::{Duration, Instant};
 
 use crate::client::{json_field, notification_request};
 use crate::daemon::Daemon;
-use crate::load::{closed_loop, new_hist, open_loop, percentiles};
+use crate::load::{LoadResult, closed_loop, new_hist, open_loop, percentiles};
 use crate::machine::{cpu_secs, peak_rss_mib};
-use crate::{Env, Report, ms, rate};
+use crate::{Env, Report, ms, rate, redis_stats};
 
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let plan = env.plan;
     let n = plan.dispatch_n;
-    eprintln!("[4/6] dispatch: hand off {n} notifications to an ingest-only process");
-    env.sink.reset();
-    let mut ingest_only = Daemon::start(env.dir.path(), "handoff", &env.redis.url(), false).await?;
-    let (host, url, tag) = (
-        ingest_only.host(),
-        env.sink_url.clone(),
-        env.run_tag.clone(),
-    );
-    let handoff = closed_loop(
-        ingest_only.addr,
-        120.0,
-        n,
-        Arc::new(move |i| notification_request(&host, &format!("pay-{tag}-d{i}"), &url)),
-        Arc::new(|_, r| r.status == 202 && !r.replayed),
-    )
-    .await;
-    ingest_only.stop();
+    eprintln!("[4/7] dispatch: hand off {n} notifications to an ingest-only process");
+    let store_url = env.redis.url();
+    let handoff = hand_off(env, &store_url, "handoff", "d", &[]).await?;
     eprintln!(
         "  {} hand-offs/s, {}",
         rate(handoff.per_sec()),
@@ -55,21 +41,11 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     }
 
     eprintln!("  draining {} with a dispatching process", handoff.ok);
-    env.sink.reset();
     env.redis.reset_stats().await?;
     let redis_cpu = cpu_secs(Some(env.redis.pid()));
     let self_cpu = cpu_secs(None);
-    let mut dispatcher = Daemon::start(env.dir.path(), "dispatch", &env.redis.url(), true).await?;
-    let got = env
-        .sink
-        .wait_for(
-            handoff.ok as usize,
-            Duration::from_secs(15),
-            Duration::from_secs_f64(plan.drain_cap_secs),
-        )
-        .await;
-    let (first, last) = env.sink.span().ok_or("nothing was delivered")?;
-    let secs = last.duration_since(first).as_secs_f64().max(1e-6);
+    let (mut dispatcher, Drained { got, per_sec }) =
+        drain(env, &store_url, "dispatch", handoff.ok, &[]).await?;
     if let (Some(r0), Some(r1), Some(d), Some(s0), Some(s1)) = (
         redis_cpu,
         cpu_secs(Some(env.redis.pid())),
@@ -79,17 +55,9 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     ) {
         let per = |secs: f64| secs * 1e6 / got.max(1) as f64;
         if let Ok(stats) = env.redis.command_stats().await {
-            let per = |n: u64| n as f64 / got.max(1) as f64;
             report.row(
                 "Dispatch drain: Redis commands per delivery (calls, µs)",
-                stats
-                    .iter()
-                    .take(8)
-                    .map(|(name, calls, usec)| {
-                        format!("{name} {:.2}× {:.1} µs", per(*calls), per(*usec))
-                    })
-                    .collect::<Vec<_>>()
-                    .join("; "),
+                redis_stats::per_op(&stats, got as u64),
             );
         }
         report.row(
@@ -102,8 +70,7 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
             ),
         );
     }
-    let per_sec = (got as f64 - 1.0).max(1.0) / secs;
-    eprintln!("  {} deliveries/s ({got} in {secs:.2} s)", rate(per_sec));
+    eprintln!("  {} deliveries/s ({got} delivered)", rate(per_sec));
     report.target(
         format!(
             "Dispatch drain: deliveries/s ({got}/{} delivered, first to last arrival)",
@@ -211,4 +178,68 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     dispatcher.stop();
     env.redis.flushall().await?;
     Ok(())
+}
+
+/// Hands off the plan's `dispatch_n` notifications (payment ids `pay-<run tag>-<id_tag><i>`)
+/// to a process named `name` on `store_url` with dispatch off, closed loop; the process is
+/// stopped before this returns. The sink is reset first, so whatever reaches it meanwhile was
+/// delivered by a process that should not have.
+pub async fn hand_off(
+    env: &Env,
+    store_url: &str,
+    name: &str,
+    id_tag: &str,
+    settings: &[(&str, &str)],
+) -> Result<LoadResult, String> {
+    env.sink.reset();
+    let mut ingest_only =
+        Daemon::start_with_env(env.dir.path(), name, store_url, false, settings).await?;
+    let (host, url, prefix) = (
+        ingest_only.host(),
+        env.sink_url.clone(),
+        format!("pay-{}-{id_tag}", env.run_tag),
+    );
+    let handoff = closed_loop(
+        ingest_only.addr,
+        120.0,
+        env.plan.dispatch_n,
+        Arc::new(move |i| notification_request(&host, &format!("{prefix}{i}"), &url)),
+        Arc::new(|_, r| r.status == 202 && !r.replayed),
+    )
+    .await;
+    ingest_only.stop();
+    Ok(handoff)
+}
+
+/// What a drain delivered: distinct messages, and their rate from first to last arrival.
+pub struct Drained {
+    pub got: usize,
+    pub per_sec: f64,
+}
+
+/// Starts a dispatching process named `name` on `store_url` and watches the sink until
+/// `expected` distinct deliveries arrived, nothing new came for 15 s, or the plan's drain cap
+/// passed. The process is returned still running, for the caller's CPU and memory readings.
+pub async fn drain(
+    env: &Env,
+    store_url: &str,
+    name: &str,
+    expected: u64,
+    settings: &[(&str, &str)],
+) -> Result<(Daemon, Drained), String> {
+    env.sink.reset();
+    let dispatcher =
+        Daemon::start_with_env(env.dir.path(), name, store_url, true, settings).await?;
+    let got = env
+        .sink
+        .wait_for(
+            expected as usize,
+            Duration::from_secs(15),
+            Duration::from_secs_f64(env.plan.drain_cap_secs),
+        )
+        .await;
+    let (first, last) = env.sink.span().ok_or("nothing was delivered")?;
+    let secs = last.duration_since(first).as_secs_f64().max(1e-6);
+    let per_sec = (got as f64 - 1.0).max(1.0) / secs;
+    Ok((dispatcher, Drained { got, per_sec }))
 }

@@ -11,7 +11,7 @@ pub async fn run(env: &Env, daemon: &Daemon, report: &mut Report, ingest_rate: f
     let plan = env.plan;
     let half = (ingest_rate * 0.5).max(1.0);
     eprintln!(
-        "[2/6] half load: open loop at {} req/s for {} s",
+        "[2/7] half load: open loop at {} req/s for {} s",
         rate(half),
         plan.half_secs
     );

@@ -10,7 +10,7 @@ use crate::client::{callback_request, payzu_body};
 use crate::daemon::Daemon;
 use crate::load::{Judge, MakeRequest, closed_loop, percentiles};
 use crate::machine::{CpuSnapshot, cpu_secs, peak_rss_mib, run_bounded};
-use crate::{CONCURRENCY, Env, Report, half_load, naive, rate, storm};
+use crate::{CONCURRENCY, Env, Report, half_load, naive, rate, redis_stats, storm};
 
 pub fn ingest_make(host: String, tag: String) -> MakeRequest {
     Arc::new(move |i| callback_request(&host, &payzu_body(&format!("tx-{tag}-{i}"))))
@@ -23,7 +23,7 @@ pub fn accepted_fresh() -> Judge {
 /// Phases 1-3 against one Redis-backed process.
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     eprintln!(
-        "[1/6] ingest: {} connections, {} s, Redis store",
+        "[1/7] ingest: {} connections, {} s, Redis store",
         CONCURRENCY, env.plan.ingest_secs
     );
     let mut daemon = Daemon::start(env.dir.path(), "ingest", &env.redis.url(), true).await?;
@@ -90,15 +90,9 @@ async fn ingest(
         _ => None,
     };
     if let Ok(stats) = env.redis.command_stats().await {
-        let per = |n: u64| n as f64 / ingest.ok.max(1) as f64;
-        let top: Vec<String> = stats
-            .iter()
-            .take(8)
-            .map(|(name, calls, usec)| format!("{name} {:.2}× {:.1} µs", per(*calls), per(*usec)))
-            .collect();
         report.row(
             "Ingest, Redis: commands per accepted callback (INFO commandstats: calls, µs; commands run inside scripts are also inside evalsha)",
-            top.join("; "),
+            redis_stats::per_op(&stats, ingest.ok),
         );
     }
     if ingest.failed > 0 {
@@ -128,7 +122,7 @@ async fn ingest(
 fn raw_redis(env: &Env, report: &mut Report, ingest_rate: f64, redis_us_per_accept: Option<f64>) {
     let plan = env.plan;
     eprintln!(
-        "[1/6] raw Redis: redis-benchmark -c 64 -n {} SET NX EX (unpipelined)",
+        "[1/7] raw Redis: redis-benchmark -c 64 -n {} SET NX EX (unpipelined)",
         plan.redis_bench_n
     );
     let mut cmd = Command::new("redis-benchmark");

@@ -148,3 +148,41 @@ pub fn run_bounded(mut cmd: Command, timeout: Duration, out_path: &Path) -> Resu
     }
     std::fs::read_to_string(out_path).map_err(|e| e.to_string())
 }
+
+/// CPU seconds every core of the machine spent busy since boot (/proc/stat: all but idle and
+/// iowait), to tell how much of the machine other work took during a measurement.
+pub fn machine_busy_secs() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<f64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    // guest time is already counted in user and nice
+    let total: f64 = ticks.iter().take(8).sum();
+    Some((total - idle) / clock_ticks())
+}
+
+/// CPU seconds `pid` (or this process) has run so far, to the nanosecond: the sum of its
+/// threads' /proc schedstat run times. [`cpu_secs`] counts in clock ticks (10 ms), too coarse
+/// for a second of an idle process; this misses threads that have exited, which a running
+/// Redis or callbackd hardly has.
+pub fn cpu_secs_fine(pid: Option<u32>) -> Option<f64> {
+    let tasks = match pid {
+        Some(p) => format!("/proc/{p}/task"),
+        None => "/proc/self/task".into(),
+    };
+    let mut ns = 0u64;
+    for task in std::fs::read_dir(tasks).ok()?.flatten() {
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+        ns += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Some(ns as f64 / 1e9)
+}

@@ -20,19 +20,28 @@
 //!     scheduled a day ahead (created through the library's `Store::accept` directly); Redis
 //!     memory per accepted callback and per dedupe key.
 //!  6. SQLite: phase 1 against `store.url = "sqlite://..."`.
+//!  7. Redis Cluster: ingest and dispatch on the one Redis and on a 3-master, 3-replica
+//!     cluster on loopback (callbackd pointed at one node), then the cluster's ingest again
+//!     with `store.min_replicas_acked = 1` (`WAIT` after every write); Redis CPU per
+//!     operation on each node, each master's `INFO commandstats`, and what an idle
+//!     dispatcher's polling of every partition costs each node.
+//!
+//! `--only=<phase>[,<phase>...]` runs some of them: `ingest` (1-3), `dispatch` (4), `queue`
+//! (5), `sqlite` (6), `cluster` (7); e.g. `cargo bench --bench load -- --quick --only=cluster`.
 //!
 //! The load generator is a minimal HTTP/1.1 keep-alive client over raw sockets with requests
 //! formatted up front, so that on a small machine it takes as little CPU from the server as
 //! possible.
 //!
 //! Layout: `main.rs` reads the arguments, runs the phases in order and prints the report.
-//! One file per phase: `ingest` (1, with `naive`, the reference handler), `half_load` (2), `storm` (3), `dispatch` (4), `backlog`
-//! and `memory` (5), `sqlite` (6). Shared by them: `load` (the closed and open loops and their
-//! latency histograms), `client` (the HTTP client and the requests it sends), `daemon` (a
-//! `callbackd serve` process), `redis_stats` (the Redis and what the report reads from it),
+//! One file per phase: `ingest` (1, with `naive`, the reference handler), `half_load` (2),
+//! `storm` (3), `dispatch` (4), `backlog` and `memory` (5), `sqlite` (6), `cluster` (7).
+//! Shared by them: `load` (the closed and open loops and their latency histograms), `client`
+//! (the HTTP client and the requests it sends), `daemon` (a `callbackd serve` process),
+//! `redis_stats` (the Redis and what the report reads from it, or from any cluster node),
 //! `sink` (the first arrival of each delivery), `direct_store` (phase 5's library calls) and
-//! `machine` (CPU and memory from /proc). The processes, Redis and the sink's HTTP server are
-//! the tests' own (`tests/support`), configured here for a bench.
+//! `machine` (CPU and memory from /proc). The processes, Redis, the cluster and the sink's
+//! HTTP server are the tests' own (`tests/support`), configured here for a bench.
 //!
 //! The server binary is `CARGO_BIN_EXE_callbackd`: Cargo builds it for every bench run with the
 //! `bench` profile, which inherits `release`, into `target/release/callbackd`, so it is never
@@ -46,6 +55,7 @@ mod support;
 
 mod backlog;
 mod client;
+mod cluster;
 mod daemon;
 mod direct_store;
 mod dispatch;
@@ -97,6 +107,8 @@ struct Plan {
     due_n: u64,
     redis_bench_n: u64,
     sqlite_secs: f64,
+    /// Each ingest of phase 7 (three of them); its idle-dispatcher readings last two thirds.
+    cluster_secs: f64,
     /// Longest a drain is watched; the rate is taken over what arrived.
     drain_cap_secs: f64,
 }
@@ -116,6 +128,7 @@ impl Plan {
                 due_n: 2_000,
                 redis_bench_n: 100_000,
                 sqlite_secs: 3.0,
+                cluster_secs: 3.0,
                 drain_cap_secs: 4.0,
             }
         } else {
@@ -131,6 +144,7 @@ impl Plan {
                 due_n: 10_000,
                 redis_bench_n: 1_000_000,
                 sqlite_secs: 20.0,
+                cluster_secs: 10.0,
                 drain_cap_secs: 30.0,
             }
         }
@@ -138,17 +152,28 @@ impl Plan {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; anything but `--quick` is ignored.
+    // `cargo bench` passes `--bench`; anything but `--quick` and `--only=` is ignored.
     if naive::serve_if_asked() {
         return;
     }
     let quick = std::env::args().skip(1).any(|a| a == "--quick");
+    let only: Vec<String> = std::env::args()
+        .filter_map(|a| Some(a.strip_prefix("--only=")?.to_string()))
+        .flat_map(|list| list.split(',').map(str::to_string).collect::<Vec<_>>())
+        .collect();
+    if let Some(unknown) = only.iter().find(|p| !PHASES.contains(&p.as_str())) {
+        eprintln!(
+            "unknown phase {unknown:?}; the phases: {}",
+            PHASES.join(", ")
+        );
+        std::process::exit(2);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let code = runtime.block_on(run(Plan::new(quick)));
+    let code = runtime.block_on(run(Plan::new(quick), only));
     drop(runtime);
     std::process::exit(code);
 }
@@ -258,7 +283,10 @@ struct Env {
     run_tag: String,
 }
 
-async fn run(plan: Plan) -> i32 {
+/// The phases in the order they run, by the names `--only=` takes.
+const PHASES: [&str; 5] = ["ingest", "dispatch", "queue", "sqlite", "cluster"];
+
+async fn run(plan: Plan, only: Vec<String>) -> i32 {
     let started = Instant::now();
     let bin = Path::new(env!("CARGO_BIN_EXE_callbackd"));
     let load_before = loadavg();
@@ -285,12 +313,17 @@ async fn run(plan: Plan) -> i32 {
     };
     let mut report = Report::default();
     let mut failed = false;
-    for (name, result) in [
-        ("ingest", ingest::run(&env, &mut report).await),
-        ("dispatch", dispatch::run(&env, &mut report).await),
-        ("queue scale", backlog::run(&env, &mut report).await),
-        ("sqlite", sqlite::run(&env, &mut report).await),
-    ] {
+    for name in PHASES
+        .iter()
+        .filter(|p| only.is_empty() || only.iter().any(|o| o == *p))
+    {
+        let result = match *name {
+            "ingest" => ingest::run(&env, &mut report).await,
+            "dispatch" => dispatch::run(&env, &mut report).await,
+            "queue" => backlog::run(&env, &mut report).await,
+            "sqlite" => sqlite::run(&env, &mut report).await,
+            _ => cluster::run(&env, &mut report).await,
+        };
         if let Err(e) = result {
             failed = true;
             eprintln!("  phase {name} failed: {e}");

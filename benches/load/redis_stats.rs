@@ -36,14 +36,7 @@ impl Redis {
     }
 
     pub async fn conn_db(&self, db: u8) -> Result<redis::aio::MultiplexedConnection, String> {
-        let client = redis::Client::open(self.url_db(db)).map_err(|e| e.to_string())?;
-        // FLUSHALL of a million keys and big SCANs take longer than the default 500 ms.
-        let config = redis::AsyncConnectionConfig::new()
-            .set_response_timeout(Some(Duration::from_secs(120)));
-        client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .map_err(|e| e.to_string())
+        connect(&self.url_db(db)).await
     }
 
     pub async fn flushall(&self) -> Result<(), String> {
@@ -68,43 +61,12 @@ impl Redis {
     }
 
     pub async fn reset_stats(&self) -> Result<(), String> {
-        let mut c = self.conn().await?;
-        redis::cmd("CONFIG")
-            .arg("RESETSTAT")
-            .query_async::<()>(&mut c)
-            .await
-            .map_err(|e| e.to_string())
+        reset_stats_at(&self.url()).await
     }
 
     /// `INFO commandstats`: (command, calls, total µs), busiest first.
     pub async fn command_stats(&self) -> Result<Vec<(String, u64, u64)>, String> {
-        let mut c = self.conn().await?;
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut c)
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut stats = Vec::new();
-        for line in info.lines() {
-            let Some((name, rest)) = line
-                .strip_prefix("cmdstat_")
-                .and_then(|l| l.split_once(':'))
-            else {
-                continue;
-            };
-            let field = |key: &str| {
-                rest.split(',')
-                    .find_map(|kv| kv.strip_prefix(key))
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .unwrap_or(0)
-            };
-            if name.starts_with("config") || name == "info" || name == "ping" {
-                continue;
-            }
-            stats.push((name.to_string(), field("calls="), field("usec=")));
-        }
-        stats.sort_by_key(|s| std::cmp::Reverse(s.2));
-        Ok(stats)
+        command_stats_at(&self.url()).await
     }
 
     pub async fn dbsize(&self, db: u8) -> Result<u64, String> {
@@ -114,4 +76,73 @@ impl Redis {
             .await
             .map_err(|e| e.to_string())
     }
+}
+
+/// A plain connection to the one server at `url` (a cluster node answers it for itself:
+/// its statistics, its keys).
+pub async fn connect(url: &str) -> Result<redis::aio::MultiplexedConnection, String> {
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    // FLUSHALL of a million keys and big SCANs take longer than the default 500 ms.
+    let config =
+        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(120)));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+pub async fn reset_stats_at(url: &str) -> Result<(), String> {
+    let mut c = connect(url).await?;
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(&mut c)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// `INFO commandstats` of the server at `url`: (command, calls, total µs), busiest first.
+/// What the report's own queries and a cluster client's topology lookups cost is left out.
+pub async fn command_stats_at(url: &str) -> Result<Vec<(String, u64, u64)>, String> {
+    let mut c = connect(url).await?;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut stats = Vec::new();
+    for line in info.lines() {
+        let Some((name, rest)) = line
+            .strip_prefix("cmdstat_")
+            .and_then(|l| l.split_once(':'))
+        else {
+            continue;
+        };
+        let field = |key: &str| {
+            rest.split(',')
+                .find_map(|kv| kv.strip_prefix(key))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        if name.starts_with("config")
+            || name.starts_with("cluster")
+            || name == "info"
+            || name == "ping"
+        {
+            continue;
+        }
+        stats.push((name.to_string(), field("calls="), field("usec=")));
+    }
+    stats.sort_by_key(|s| std::cmp::Reverse(s.2));
+    Ok(stats)
+}
+
+/// The eight busiest commands of `stats` per operation: calls and Redis µs.
+pub fn per_op(stats: &[(String, u64, u64)], ops: u64) -> String {
+    let per = |n: u64| n as f64 / ops.max(1) as f64;
+    stats
+        .iter()
+        .take(8)
+        .map(|(name, calls, usec)| format!("{name} {:.2}× {:.1} µs", per(*calls), per(*usec)))
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -10,7 +10,7 @@ use crate::{Env, Report, rate};
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let plan = env.plan;
     eprintln!(
-        "[6/6] ingest with the embedded SQLite store, {} s",
+        "[6/7] ingest with the embedded SQLite store, {} s",
         plan.sqlite_secs
     );
     let db = env.dir.path().join("sqlite").join("cb.db");
