@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use support::eventually;
-use support::process::Process;
+use support::process::{Process, serve_until_refused};
 use support::sink::{Reply, Sink};
 
 fn source_table(sink: &Sink) -> String {
@@ -112,25 +112,8 @@ async fn a_second_process_on_the_same_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let store = format!("sqlite://{}", dir.path().join("cb.db").display());
     let _first = Process::start(&store, "");
-    let config = dir.path().join("second.toml");
-    std::fs::write(
-        &config,
-        format!("[store]\nurl = \"{store}\"\n[server]\nlisten = \"127.0.0.1:0\"\n"),
-    )
-    .unwrap();
-    let second = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
-        .args(["serve", "--config", config.to_str().unwrap()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let out = tokio::time::timeout(Duration::from_secs(30), second.wait_with_output())
-        .await
-        .expect("the second process exits instead of serving")
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (status, stderr) = serve_until_refused(&format!("url = \"{store}\"")).await;
+    assert_eq!(status.code(), Some(2));
     let db = dir.path().join("cb.db");
     assert!(
         stderr.contains(&format!(

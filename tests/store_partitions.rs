@@ -18,6 +18,7 @@ use callbackd::store::{
     AcceptOutcome, MessageId, Partitions, ResendEffect, ResendMark, Store, StoreError,
 };
 use support::notification_request;
+use support::process::serve_until_refused;
 use support::redis::RedisServer;
 
 fn count(n: u16) -> Partitions {
@@ -296,28 +297,9 @@ async fn serve_refuses_a_mismatch_naming_the_key() {
     let file = SqliteFile::new();
     for url in [server.url(), file.url()] {
         drop(opened(&url, Some(32)).await);
-        let dir = tempfile::tempdir().unwrap();
-        let config = dir.path().join("config.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[store]\nurl = \"{url}\"\npartitions = 64\n[server]\nlisten = \"127.0.0.1:0\"\n"
-            ),
-        )
-        .unwrap();
-        let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
-            .args(["serve", "--config", config.to_str().unwrap()])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let out = tokio::time::timeout(Duration::from_secs(30), serve.wait_with_output())
-            .await
-            .expect("it exits instead of serving")
-            .unwrap();
-        assert!(!out.status.success());
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let (status, stderr) =
+            serve_until_refused(&format!("url = \"{url}\"\npartitions = 64")).await;
+        assert!(!status.success());
         assert!(
             stderr.contains("store.partitions = 64") && stderr.contains("32 partitions"),
             "{url}: {stderr}"

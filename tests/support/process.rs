@@ -14,6 +14,36 @@ pub struct Process {
     _config: Option<tempfile::NamedTempFile>,
 }
 
+/// Runs `callbackd serve` with `store_toml` (the `[store]` table's keys) on port 0 and waits
+/// for it to exit, as a refused start does; its exit status and standard error. Panics if it
+/// is still serving after 30 s.
+pub async fn serve_until_refused(store_toml: &str) -> (ExitStatus, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!("[store]\n{store_toml}\n[server]\nlisten = \"127.0.0.1:0\"\n"),
+    )
+    .expect("write the config");
+    let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_callbackd"))
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn callbackd serve");
+    let out = tokio::time::timeout(Duration::from_secs(30), serve.wait_with_output())
+        .await
+        .expect("it exits instead of serving")
+        .expect("its output");
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// Why [`Process::spawn`] has no listening process to give back.
 #[derive(Debug)]
 pub enum StartError {
