@@ -3,17 +3,14 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use callbackd::StartError;
 use callbackd::clock::{Millis, SystemClock};
-use callbackd::store::Partitions;
 use callbackd::store::redis::{RedisStore, SCHEMA_VERSION};
 use callbackd::store::{
-    AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, MessageId, MessageKind,
-    NewMessage, Store, StoreError,
+    AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, Store, StoreError,
 };
 use support::redis::RedisServer;
 use support::{TestServer, config};
@@ -41,32 +38,9 @@ async fn store(redis: &RedisServer, min_replicas_acked: u32) -> RedisStore {
         .with_min_replicas_acked(min_replicas_acked)
 }
 
+/// A hand-off of `ordering_key` with a dedupe claim of its own.
 fn request(ordering_key: &str) -> AcceptRequest {
-    let message = NewMessage {
-        id: MessageId::generate(NOW, ordering_key, Partitions::DEFAULT),
-        kind: MessageKind::Notification,
-        source: None,
-        payment_id: None,
-        transaction_id: None,
-        ordering_key: ordering_key.to_string(),
-        event: None,
-        target_url: Some("http://127.0.0.1:9/hook".into()),
-        headers: BTreeMap::new(),
-        body: r#"{"ok":true}"#.into(),
-        created_at: NOW,
-        deadline: NOW + 86_400_000,
-    };
-    AcceptRequest {
-        dedupe: DedupeClaim {
-            key: format!("claim/{ordering_key}"),
-            ttl_secs: 3_600,
-            fingerprint: "fp".into(),
-            response: format!(r#"{{"messageId":"{}"}}"#, message.id),
-        },
-        message,
-        payment: None,
-        seal: None,
-    }
+    support::notification_request(&format!("claim/{ordering_key}"), ordering_key, NOW)
 }
 
 fn message_keys(redis: &RedisServer) -> usize {
