@@ -13,6 +13,13 @@ use tokio_util::sync::CancellationToken;
 use callbackd::config::{Config, LogFormat, Settings};
 use callbackd::store::Partitions;
 
+/// glibc's allocator took about a quarter of callbackd's CPU under ingest (BENCHMARKS.md,
+/// "callbackd allocations"): a request allocates and frees many small buffers across the
+/// runtime's threads, which mimalloc's per-thread free lists serve without glibc's locking
+/// and consolidation.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ADMIN_TOKEN_ENV: &str = "CALLBACKD_ADMIN_TOKEN";
 const URL_ENV: &str = "CALLBACKD_URL";
 
