@@ -140,10 +140,13 @@ pub fn callback_request(host: &str, body: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// The JSON a connector hands off for one payment.
+pub fn notification_body(payment_id: &str, callback_url: &str) -> String {
+    format!(r#"{{"paymentId":"{payment_id}","status":"approved","callbackUrl":"{callback_url}"}}"#)
+}
+
 pub fn notification_request(host: &str, payment_id: &str, callback_url: &str) -> Vec<u8> {
-    let body = format!(
-        r#"{{"paymentId":"{payment_id}","status":"approved","callbackUrl":"{callback_url}"}}"#
-    );
+    let body = notification_body(payment_id, callback_url);
     format!(
         "POST /v1/notifications HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {CONNECTOR_TOKEN}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()

@@ -7,11 +7,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::client::{json_field, notification_request};
+use crate::client::{json_field, notification_body, notification_request};
 use crate::daemon::Daemon;
 use crate::load::{LoadResult, closed_loop, new_hist, open_loop, percentiles};
 use crate::machine::{cpu_secs, peak_rss_mib};
-use crate::{Env, Report, ms, rate, redis_stats};
+use crate::{Env, Report, ms, rate, redis_stats, wrk};
 
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let plan = env.plan;
@@ -83,6 +83,26 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let repeats = env.sink.repeats.load(Ordering::Relaxed);
     if repeats > 0 {
         report.note(format!("dispatch drain: {repeats} repeated deliveries"));
+    }
+    eprintln!(
+        "  wrk: raw POSTs into the same sink for {} s",
+        plan.wrk_secs
+    );
+    let body = notification_body(&format!("pay-{}-wrk", env.run_tag), &env.sink_url);
+    match wrk::raw_post_rate(&env.sink_url, &body, plan.wrk_secs, env.dir.path()).await {
+        Ok(raw) => {
+            report.row(
+                "Raw POSTs/s into the same sink (wrk, 1 thread, 16 connections)",
+                rate(raw),
+            );
+            report.row(
+                "Dispatch drain / wrk's raw POST rate",
+                format!("{:.3}×", per_sec / raw.max(1.0)),
+            );
+        }
+        Err(e) => report.note(format!(
+            "wrk: not measured ({e}); Debian: apt-get install wrk"
+        )),
     }
     if let Some(mib) = peak_rss_mib(dispatcher.pid) {
         report.row(

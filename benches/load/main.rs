@@ -69,6 +69,7 @@ mod redis_stats;
 mod sink;
 mod sqlite;
 mod storm;
+mod wrk;
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -111,6 +112,8 @@ struct Plan {
     cluster_secs: f64,
     /// Longest a drain is watched; the rate is taken over what arrived.
     drain_cap_secs: f64,
+    /// wrk's raw POST run into the sink, which the drain's rate is compared with.
+    wrk_secs: u64,
 }
 
 impl Plan {
@@ -130,6 +133,7 @@ impl Plan {
                 sqlite_secs: 3.0,
                 cluster_secs: 3.0,
                 drain_cap_secs: 4.0,
+                wrk_secs: 2,
             }
         } else {
             Plan {
@@ -146,6 +150,7 @@ impl Plan {
                 sqlite_secs: 20.0,
                 cluster_secs: 10.0,
                 drain_cap_secs: 30.0,
+                wrk_secs: 5,
             }
         }
     }
