@@ -250,7 +250,92 @@ contract!(
     a_forty_day_clock_jump_claims_everything_due,
     a_recorded_message_is_kept_for_the_retention_not_its_claim_ttl,
     every_state_change_runs_in_every_partition,
+    a_callback_claim_answers_with_its_derived_id,
 );
+
+/// A callback's claim replays the first answer byte for byte, conflicts with a request that
+/// has a fingerprint, seals a new signature with that answer, and ends with the lifetime it
+/// was written with, even when written again into a later hour before the sweeper reaches
+/// the earlier one.
+async fn a_callback_claim_answers_with_its_derived_id(h: &Harness) {
+    const MINUTE_MS: Millis = 60_000;
+    let s = h.s();
+    let p = s.partitions();
+    let first = callback_request("cb/tx-c", "tx-c", TTL_SECS, p, T0);
+    let answer = first.dedupe.response.clone();
+    assert_eq!(s.accept(first, T0).await.unwrap(), AcceptOutcome::Accepted);
+    // A repeat a day later makes its own id, but gets the first answer.
+    let day = T0 + DAY_MS;
+    let repeat = callback_request("cb/tx-c", "tx-c", TTL_SECS, p, day);
+    assert_ne!(repeat.dedupe.response, answer);
+    let replayed = AcceptOutcome::Replayed {
+        response: answer.clone(),
+    };
+    assert_eq!(s.accept(repeat.clone(), day).await.unwrap(), replayed);
+    let mut fingerprinted = repeat.clone();
+    fingerprinted.dedupe.fingerprint = "fp-1".into();
+    assert_eq!(
+        s.accept(fingerprinted, day).await.unwrap(),
+        AcceptOutcome::Conflict
+    );
+    // A new signature of the repeat is sealed with the first answer, which the signature then
+    // gets under any claim key.
+    let seal = SignatureSeal {
+        key: "seal/tx-c".into(),
+        expires_at: T0 + 40 * DAY_MS,
+    };
+    let resigned = AcceptRequest {
+        seal: Some(seal.clone()),
+        ..repeat
+    };
+    assert_eq!(s.accept(resigned, day).await.unwrap(), replayed);
+    let other_claim = AcceptRequest {
+        seal: Some(seal),
+        ..callback_request("cb/tx-c-other", "tx-c", TTL_SECS, p, day + 1)
+    };
+    assert_eq!(s.accept(other_claim, day + 1).await.unwrap(), replayed);
+
+    // It ends with its lifetime: then the callback is a new event with an id of its own.
+    let end = T0 + TTL_SECS as Millis * 1000;
+    let at_end = |now| callback_request("cb/tx-c", "tx-c", TTL_SECS, p, now);
+    assert_eq!(s.accept(at_end(end - 1), end - 1).await.unwrap(), replayed);
+    let again = at_end(end);
+    let second = AcceptOutcome::Replayed {
+        response: again.dedupe.response.clone(),
+    };
+    assert_eq!(s.accept(again, end).await.unwrap(), AcceptOutcome::Accepted);
+    assert_eq!(s.accept(at_end(end + 1), end + 1).await.unwrap(), second);
+
+    // An hour's claim made at T0 + 30 min ends in the next hour; made again after that end,
+    // it ends in the hour after. Sweeping the first of those hours keeps the live claim.
+    let short = |now| callback_request("cb/tx-short", "tx-short", 3_600, p, now);
+    let made = T0 + 30 * MINUTE_MS;
+    assert_eq!(
+        s.accept(short(made), made).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let remade = T0 + 91 * MINUTE_MS;
+    let remade_answer = AcceptOutcome::Replayed {
+        response: short(remade).dedupe.response,
+    };
+    assert_eq!(
+        s.accept(short(remade), remade).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let swept = T0 + 125 * MINUTE_MS;
+    h.sweep_all(swept).await;
+    assert_eq!(s.accept(short(swept), swept).await.unwrap(), remade_answer);
+    let over = remade + 60 * MINUTE_MS;
+    h.sweep_all(over - 1).await;
+    assert_eq!(
+        s.accept(short(over - 1), over - 1).await.unwrap(),
+        remade_answer
+    );
+    assert_eq!(
+        s.accept(short(over), over).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+}
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -300,6 +385,31 @@ fn request(claim_key: &str, message: NewMessage) -> AcceptRequest {
 }
 
 /// A notification moving `payment_id` to `to`, ordered by payment like the HTTP layer does.
+/// An inbound callback's request as the HTTP layer makes it (src/inbound/accept.rs): its id
+/// derived from the claim key, no fingerprint, the answer naming the id. On Redis its claim
+/// is one integer.
+fn callback_request(
+    claim_key: &str,
+    transaction_id: &str,
+    ttl_secs: u64,
+    partitions: Partitions,
+    now: Millis,
+) -> AcceptRequest {
+    let mut message = inbound("payzu", transaction_id, now);
+    message.id = MessageId::for_claim(now, &message.ordering_key, partitions, claim_key);
+    AcceptRequest {
+        dedupe: DedupeClaim {
+            key: claim_key.to_string(),
+            ttl_secs,
+            fingerprint: String::new(),
+            response: format!(r#"{{"messageId":"{}"}}"#, message.id),
+        },
+        message,
+        payment: None,
+        seal: None,
+    }
+}
+
 fn notification(payment_id: &str, to: &str, allowed_from: &[&str], now: Millis) -> AcceptRequest {
     let message = NewMessage {
         payment_id: Some(payment_id.to_string()),
@@ -2257,8 +2367,9 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
 /// What the second release's fixtures (tests/fixtures/make_sqlite_v2.rs, make_redis_v2.rs:
 /// the same story on a virtual clock starting at `T0`) left behind, checked on a store
 /// upgraded from one: every record, history, claim, payment state, seal and operation is
-/// still there, and every message goes on from where it was.
-async fn the_second_release_fixture_goes_on(s: &dyn Store) {
+/// still there, and every message goes on from where it was. Redis layout 3's fixture
+/// (make_redis_v3.rs) tells the same story under `v3` names instead of `v2`.
+async fn the_release_fixture_goes_on(s: &dyn Store, v: &str) {
     const HOUR_MS: Millis = 3_600_000;
     // New requests name a partition of this store (an old store keeps its 16).
     let in_store = |mut req: AcceptRequest| {
@@ -2305,40 +2416,40 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
             .join(",")
     };
 
-    let delivered = get(s, &one("v2/delivered").message.id).await;
+    let delivered = get(s, &one(&format!("{v}/delivered")).message.id).await;
     assert_eq!(delivered.state, MessageState::Delivered);
     assert_eq!(statuses(&delivered), [Some(503), Some(200)]);
     assert_eq!(
         (delivered.history_total, delivered.delivery_attempts),
         (2, 2)
     );
-    let dead = get(s, &one("v2/dead").message.id).await;
+    let dead = get(s, &one(&format!("{v}/dead")).message.id).await;
     assert_eq!(dead.state, MessageState::Dead);
     assert_eq!(statuses(&dead), [Some(410)]);
-    let retrying = get(s, &one("v2/retrying").message.id).await;
+    let retrying = get(s, &one(&format!("{v}/retrying")).message.id).await;
     assert_eq!(retrying.state, MessageState::Pending);
     assert_eq!(retrying.next_attempt_at, Some(T0 + HOUR_MS));
     assert_eq!(retrying.delivery_attempts, 1);
-    let expedited = get(s, &one("v2/expedited").message.id).await;
+    let expedited = get(s, &one(&format!("{v}/expedited")).message.id).await;
     assert_eq!(expedited.next_attempt_at, Some(T0 + 900));
     assert_eq!(kinds(&expedited), "delivery,resend");
-    let requeued = get(s, &one("v2/requeued").message.id).await;
+    let requeued = get(s, &one(&format!("{v}/requeued")).message.id).await;
     assert_eq!(requeued.state, MessageState::Pending);
     assert_eq!(requeued.next_attempt_at, Some(T0 + 900));
     assert_eq!(requeued.deadline, T0 + 900 + 7 * DAY_MS);
     assert_eq!(kinds(&requeued), "delivery,resend");
-    let leased = one("v2/leased");
+    let leased = one(&format!("{v}/leased"));
     assert_eq!(leased.state, MessageState::InFlight);
-    let leased_resent = get(s, &one("v2/leased-resent").message.id).await;
+    let leased_resent = get(s, &one(&format!("{v}/leased-resent")).message.id).await;
     assert_eq!(leased_resent.state, MessageState::InFlight);
     assert_eq!(leased_resent.deadline, T0 + 800 + 7 * DAY_MS);
     assert_eq!(kinds(&leased_resent), "resend");
-    let fresh = one("v2/fresh");
+    let fresh = one(&format!("{v}/fresh"));
     assert_eq!(fresh.state, MessageState::Pending);
     assert_eq!(fresh.next_attempt_at, Some(T0 + 1_000));
-    let payments = of_key(&payment::ordering_key("pay-v2"));
+    let payments = of_key(&payment::ordering_key(&format!("pay-{v}")));
     let [pay1, pay2] = &payments[..] else {
-        panic!("pay-v2: {payments:?}");
+        panic!("pay-{v}: {payments:?}");
     };
     assert_eq!(
         (
@@ -2355,7 +2466,7 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
         ),
         "only the head of the payment's queue is due"
     );
-    let recorded = one("src/payzu/tx-v2");
+    let recorded = one(&format!("src/payzu/tx-{v}"));
     assert_eq!(recorded.state, MessageState::Recorded);
     assert_eq!(
         s.depth().await.unwrap(),
@@ -2374,7 +2485,7 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
     let answer = |id: &MessageId| format!(r#"{{"messageId":"{id}"}}"#);
     for record in all
         .iter()
-        .filter(|r| r.message.ordering_key.starts_with("v2/"))
+        .filter(|r| r.message.ordering_key.starts_with(&format!("{v}/")))
     {
         let key = &record.message.ordering_key;
         let mut retry = in_store(request(&format!("claim/{key}"), new_message(key, now)));
@@ -2390,7 +2501,12 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
     }
     assert_eq!(
         s.accept(
-            in_store(notification("pay-v2", "settled", &["approved"], now)),
+            in_store(notification(
+                &format!("pay-{v}"),
+                "settled",
+                &["approved"],
+                now
+            )),
             now
         )
         .await
@@ -2401,7 +2517,12 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
     );
     assert_eq!(
         s.accept(
-            in_store(notification("pay-v2", "refunded", &["approved"], now)),
+            in_store(notification(
+                &format!("pay-{v}"),
+                "refunded",
+                &["approved"],
+                now
+            )),
             now
         )
         .await
@@ -2411,17 +2532,20 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
         }
     );
     assert_eq!(
-        s.payment_status("pay-v2", now).await.unwrap().as_deref(),
+        s.payment_status(&format!("pay-{v}"), now)
+            .await
+            .unwrap()
+            .as_deref(),
         Some("settled")
     );
     // The seal answers the same signature under any other claim key (of the same
     // transaction: on Redis a seal lives in its transaction's partition).
     let resigned = AcceptRequest {
         seal: Some(SignatureSeal {
-            key: "seal/v2".into(),
+            key: format!("seal/{v}"),
             expires_at: T0 + 300_000,
         }),
-        ..request("another/claim", inbound("payzu", "tx-v2", now))
+        ..request("another/claim", inbound("payzu", &format!("tx-{v}"), now))
     };
     assert_eq!(
         s.accept(in_store(resigned), now).await.unwrap(),
@@ -2431,12 +2555,20 @@ async fn the_second_release_fixture_goes_on(s: &dyn Store) {
     );
     for (key, fingerprint, found) in [
         (
-            "op/v2-done",
+            &format!("op/{v}-done"),
             "fp-op",
             OperationReservation::Done(r#"{"resent":1}"#.into()),
         ),
-        ("op/v2-running", "fp-op", OperationReservation::InProgress),
-        ("op/v2-running", "fp-other", OperationReservation::Mismatch),
+        (
+            &format!("op/{v}-running"),
+            "fp-op",
+            OperationReservation::InProgress,
+        ),
+        (
+            &format!("op/{v}-running"),
+            "fp-other",
+            OperationReservation::Mismatch,
+        ),
     ] {
         assert_eq!(
             s.reserve_operation(key, fingerprint, 3600).await.unwrap(),
@@ -2663,7 +2795,7 @@ mod redis_only {
             backend: Backend::Redis(server),
         };
         let s = h.s();
-        the_second_release_fixture_goes_on(s).await;
+        the_release_fixture_goes_on(s, "v2").await;
 
         // Past the claims' 30 days every claim and seal is swept; payment states stay.
         let day31 = T0 + 31 * DAY_MS;
@@ -2753,6 +2885,155 @@ mod redis_only {
         assert_eq!(attempt_no(&record.history[0]), 1, "the first row is kept");
         assert_eq!(attempt_no(&record.history[1]), 51);
         assert_eq!(attempt_no(&record.history[100]), 150);
+    }
+
+    /// A callback's claim is one integer: Redis keeps it in its 16-byte object header instead
+    /// of the 64-byte embedded string of the string form, and deletes it at its end.
+    #[tokio::test]
+    async fn a_callback_claim_is_one_integer() {
+        let h = Harness::redis().await;
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let s = h.s();
+        let claim_of = |req: &AcceptRequest| {
+            let partition = req.message.id.partition();
+            let claims = server.cli(&["KEYS", &format!("cb:{{p{partition:02}}}:d:*")]);
+            let [claim] = claims.lines().collect::<Vec<_>>()[..] else {
+                panic!("one claim: {claims}");
+            };
+            claim.to_string()
+        };
+        let req = callback_request("cb/int", "tx-int", TTL_SECS, s.partitions(), T0);
+        assert_eq!(
+            s.accept(req.clone(), T0).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+        let compact = claim_of(&req);
+        assert_eq!(server.cli(&["GET", &compact]), format!("{T0}43200"));
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", &compact]), "int");
+        let ttl: u64 = server.cli(&["TTL", &compact]).parse().expect("a TTL");
+        assert!((TTL_SECS - 10..=TTL_SECS).contains(&ttl), "TTL {ttl}");
+        let compact_bytes: u64 = server.cli(&["MEMORY", "USAGE", &compact]).parse().unwrap();
+
+        // The same callback with a random id keeps the string form of layout 3.
+        let mut random = callback_request("cb/str", "tx-int", TTL_SECS, s.partitions(), T0);
+        random.message.id = MessageId::generate(T0, &random.message.ordering_key, s.partitions());
+        random.dedupe.response = format!(r#"{{"messageId":"{}"}}"#, random.message.id);
+        assert_eq!(
+            s.accept(random.clone(), T0).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+        let claims = server.cli(&[
+            "KEYS",
+            &format!("cb:{{p{:02}}}:d:*", req.message.id.partition()),
+        ]);
+        let string_form = claims
+            .lines()
+            .find(|c| *c != compact)
+            .expect("the string claim")
+            .to_string();
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", &string_form]), "embstr");
+        let string_bytes: u64 = server
+            .cli(&["MEMORY", "USAGE", &string_form])
+            .parse()
+            .unwrap();
+        assert_eq!(
+            string_bytes - compact_bytes,
+            48,
+            "MEMORY USAGE {compact_bytes} B against {string_bytes} B"
+        );
+
+        // Swept at its end, not before.
+        let end = T0 + TTL_SECS as Millis * 1000;
+        h.sweep_all(end - 1).await;
+        assert_eq!(server.cli(&["EXISTS", &compact]), "1");
+        h.sweep_all(end).await;
+        assert_eq!(server.cli(&["EXISTS", &compact]), "0");
+        assert_eq!(server.cli(&["EXISTS", &string_form]), "0");
+    }
+
+    /// Layout version 3, written by the store of commit bb1ae44 (tests/fixtures/
+    /// make_redis_v3.rs): nothing is rewritten, its string claims replay their random ids
+    /// until they end, everything goes on, and new callbacks get integer claims.
+    #[tokio::test]
+    async fn a_third_release_redis_store_is_upgraded_in_place() {
+        let server = RedisServer::start();
+        let dumped_at =
+            load_redis_fixture(&server.url(), include_str!("fixtures/redis_v3.json")).await;
+        assert_eq!(dumped_at, T0 + 2_000);
+        let before = server.cli(&["DBSIZE"]);
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap()
+            .with_caller_clock_leases();
+        assert_eq!(store.upgrade(T0 + 5_000).await.unwrap(), 3);
+        assert_eq!(
+            server.cli(&["GET", "cb:schema"]),
+            callbackd::store::redis::SCHEMA_VERSION.to_string()
+        );
+        assert_eq!(server.cli(&["DBSIZE"]), before, "nothing rewritten");
+        let h = Harness {
+            store: Box::new(store),
+            backend: Backend::Redis(server),
+        };
+        let s = h.s();
+        let now = T0 + 10_000;
+        // The recorded callback's claim names its random id (no fingerprint, as a callback).
+        let recorded = list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                state: Some(MessageState::Recorded),
+                ..Default::default()
+            },
+        )
+        .await;
+        let [recorded] = &recorded[..] else {
+            panic!("{recorded:?}");
+        };
+        let mut retry = request("claim/src/payzu/tx-v3", inbound("payzu", "tx-v3", now));
+        retry.message.id = MessageId::for_claim(
+            now,
+            &retry.message.ordering_key,
+            s.partitions(),
+            "claim/src/payzu/tx-v3",
+        );
+        retry.dedupe.fingerprint = String::new();
+        retry.dedupe.response = format!(r#"{{"messageId":"{}"}}"#, retry.message.id);
+        assert_eq!(
+            s.accept(retry, now).await.unwrap(),
+            AcceptOutcome::Replayed {
+                response: format!(r#"{{"messageId":"{}"}}"#, recorded.message.id)
+            }
+        );
+        the_release_fixture_goes_on(s, "v3").await;
+
+        // A new callback's claim is an integer beside the old strings.
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let fresh = callback_request("cb/after-upgrade", "tx-new", TTL_SECS, s.partitions(), now);
+        let partition = fresh.message.id.partition();
+        let claims_before = server.cli(&["KEYS", &format!("cb:{{p{partition:02}}}:d:*")]);
+        assert_eq!(s.accept(fresh, now).await.unwrap(), AcceptOutcome::Accepted);
+        let claims = server.cli(&["KEYS", &format!("cb:{{p{partition:02}}}:d:*")]);
+        let new = claims
+            .lines()
+            .find(|c| !claims_before.lines().any(|b| b == *c))
+            .expect("a new claim");
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", new]), "int");
+
+        // Past the old claims' 30 days every claim and seal is swept.
+        let day31 = T0 + 31 * DAY_MS;
+        h.sweep_all(day31).await;
+        for pattern in ["cb:*}:d:*", "cb:*}:s:*"] {
+            assert_eq!(server.cli(&["KEYS", pattern]), "", "{pattern}");
+        }
+        assert_eq!(
+            s.payment_status("pay-v3", day31).await.unwrap().as_deref(),
+            Some("settled")
+        );
     }
 
     #[tokio::test]
@@ -3019,7 +3300,7 @@ mod sqlite_only {
             assert!(!columns.iter().any(|c| c == old), "{old} in {columns:?}");
         }
 
-        the_second_release_fixture_goes_on(&s).await;
+        the_release_fixture_goes_on(&s, "v2").await;
     }
 
     /// Databases upgraded from either older layout have exactly the tables, columns and

@@ -83,7 +83,9 @@ pub fn accept_request(
         source.dedupe_fields,
     )?;
     let ordering_key = ordering_key(source.name, &key.transaction_id);
-    let id = MessageId::generate(now, &ordering_key, source.partitions);
+    // Derived from the claim key, so the Redis store keeps the claim as one integer and
+    // rebuilds this answer from it (store/ids.rs).
+    let id = MessageId::for_claim(now, &ordering_key, source.partitions, &key.key);
     let response = serde_json::to_string(&CallbackAccepted {
         message_id: id.to_string(),
     })?;
@@ -193,6 +195,11 @@ mod tests {
             "the partition of its ordering key in the store's count"
         );
         assert_eq!(m.id.created_at(), NOW);
+        assert_eq!(
+            m.id,
+            MessageId::of_claim(NOW, m.id.partition(), &request.dedupe.key),
+            "rebuilt from the time, the partition and the claim key"
+        );
         assert_eq!(m.target_url.as_deref(), Some("https://merchant.example/cb"));
         assert_eq!(m.body.as_bytes(), body, "delivered byte for byte");
         assert_eq!(m.headers, trace);

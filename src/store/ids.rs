@@ -1,5 +1,6 @@
 //! Message ids: `msg_` + 12 hex digits of the creation time in ms + 2 hex digits of the
-//! partition + 14 random hex digits.
+//! partition + 14 hex digits that are random, or for an inbound callback a hash of its dedupe
+//! claim key ([`MessageId::for_claim`]).
 //!
 //! Why this shape: ids sort by creation time (so a cursor is just "the last id seen", stable
 //! while new messages arrive, and a time window is an id range), and the partition is inside
@@ -8,16 +9,25 @@
 //! How many partitions there are is the store's ([`Partitions`], fixed when it is first used),
 //! so generating an id takes the count; parsing one does not: any two digits parse, and an id
 //! naming a partition the store does not have is simply not found there.
+//!
+//! Why a callback's id is derived: (acceptance ms, partition, claim key) then rebuild it, so
+//! the Redis store keeps the claim as one integer, the acceptance ms (redis/keys.rs), and a
+//! replay's answer is rebuilt from it. Two callbacks share an id only if they share the claim
+//! key, the partition and the millisecond, and a claim key is accepted once while its claim
+//! lasts (at least a second); distinct claim keys collide as rarely as random digits would.
 
 use crate::clock::Millis;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use super::partitions::Partitions;
 
 const PREFIX: &str = "msg_";
-const LEN: usize = PREFIX.len() + 12 + 2 + 14;
+const LEN: usize = PREFIX.len() + 12 + 2 + TAIL_DIGITS;
+/// Hex digits after the time and the partition.
+const TAIL_DIGITS: usize = 14;
 /// What [`MessageId::parse`] accepts, as a regular expression (the OpenAPI document's
 /// pattern for ids and cursors): 12 digits of time, 2 of partition, 14 random ones.
 pub const PATTERN: &str = "^msg_[0-9a-f]{28}$";
@@ -34,6 +44,27 @@ impl MessageId {
             "{PREFIX}{:012x}{:02x}{random:014x}",
             now.max(0),
             partition_of(ordering_key, partitions)
+        ))
+    }
+
+    /// The id of an inbound callback accepted at `now` whose dedupe claim key is
+    /// `claim_key`: the same inputs always give the same id.
+    pub fn for_claim(
+        now: Millis,
+        ordering_key: &str,
+        partitions: Partitions,
+        claim_key: &str,
+    ) -> MessageId {
+        MessageId::of_claim(now, partition_of(ordering_key, partitions), claim_key)
+    }
+
+    /// [`MessageId::for_claim`] in a known partition: how a store rebuilds the id from what
+    /// it kept.
+    pub fn of_claim(now: Millis, partition: u8, claim_key: &str) -> MessageId {
+        MessageId(format!(
+            "{PREFIX}{:012x}{}",
+            now.max(0),
+            claim_tail(partition, claim_key)
         ))
     }
 
@@ -71,6 +102,13 @@ impl fmt::Display for MessageId {
     }
 }
 
+/// The digits of [`MessageId::of_claim`] after the time: the partition, then the first 14
+/// hex digits of the SHA-256 of the claim key.
+pub fn claim_tail(partition: u8, claim_key: &str) -> String {
+    let digest = Sha256::digest(claim_key.as_bytes());
+    format!("{partition:02x}{}", hex::encode(&digest[..TAIL_DIGITS / 2]))
+}
+
 /// Stable partition of an ordering key among `partitions` (FNV-1a: stable across processes and
 /// versions, which `std`'s randomly seeded hasher is not).
 pub fn partition_of(ordering_key: &str, partitions: Partitions) -> u8 {
@@ -98,6 +136,39 @@ mod tests {
         assert_eq!(MessageId::parse(a.as_str()), Some(a.clone()));
         assert!(MessageId::lower_bound(1_764_460_800_000) < a);
         assert!(MessageId::lower_bound(1_764_460_800_001) > a);
+    }
+
+    #[test]
+    fn a_claim_id_is_rebuilt_from_its_time_partition_and_claim_key() {
+        let p = Partitions::DEFAULT;
+        let id = MessageId::for_claim(1_764_460_800_000, "src/payzu/tx1", p, "claim-a");
+        assert_eq!(MessageId::parse(id.as_str()), Some(id.clone()));
+        assert_eq!(id.created_at(), 1_764_460_800_000);
+        assert_eq!(id.partition(), partition_of("src/payzu/tx1", p));
+        assert_eq!(
+            MessageId::of_claim(id.created_at(), id.partition(), "claim-a"),
+            id,
+            "rebuilt"
+        );
+        assert_eq!(
+            &id.as_str()[PREFIX.len() + 12..],
+            claim_tail(id.partition(), "claim-a")
+        );
+        // Fixed across versions: the Redis store rebuilds ids a former process made.
+        assert_eq!(
+            MessageId::of_claim(1_764_460_800_000, 3, "claim-a").as_str(),
+            format!(
+                "msg_019ad20f280003{}",
+                &hex::encode(Sha256::digest(b"claim-a"))[..14]
+            )
+        );
+        for other in [
+            MessageId::for_claim(1_764_460_800_001, "src/payzu/tx1", p, "claim-a"),
+            MessageId::for_claim(1_764_460_800_000, "src/payzu/tx1", p, "claim-b"),
+            MessageId::of_claim(1_764_460_800_000, (id.partition() + 1) % 128, "claim-a"),
+        ] {
+            assert_ne!(other, id);
+        }
     }
 
     #[test]

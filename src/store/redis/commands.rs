@@ -10,6 +10,7 @@ use super::connection::Sent;
 use super::keys;
 use super::{RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
 use crate::clock::Millis;
+use crate::store::ids::claim_tail;
 use crate::store::{
     AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL, HistoryEntry, Lease,
     MessageId, MessageState, OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT,
@@ -132,7 +133,9 @@ pub(super) async fn accept(
         .arg(store.payment_retention_secs)
         .arg(store.retention_secs)
         .arg(seal_until)
-        .arg(keys::key_hash(&msg.ordering_key));
+        .arg(keys::key_hash(&msg.ordering_key))
+        .arg(claim_tail(msg.id.partition(), &req.dedupe.key))
+        .arg(compact_claim(req, now).unwrap_or_default());
     let reply: Vec<String> = store.eval(script, &call).await?;
     match reply.as_slice() {
         [ok] if ok == "ok" => Ok(AcceptOutcome::Accepted),
@@ -482,6 +485,30 @@ pub(super) async fn sweep(store: &RedisStore, now: Millis) -> Result<usize, Stor
     }
 }
 
+/// The longest lifetime a compact claim holds: 5 decimal digits of minutes (69 days).
+const COMPACT_CLAIM_MAX_MINUTES: u64 = 99_999;
+
+/// The value of a compact dedupe claim (keys.rs) for `req` accepted at `now`, when it can be
+/// one: the message id is the one derived from `now` and the claim key in its partition, the
+/// answer is exactly `{"messageId":"<id>"}` and there is no fingerprint, so the acceptance ms
+/// and the claim key rebuild the answer of every replay byte for byte, and the lifetime is
+/// whole minutes. It is the acceptance ms followed by the lifetime in minutes as 5 digits, a
+/// canonical decimal that fits an `i64`, which Redis keeps as an integer.
+fn compact_claim(req: &AcceptRequest, now: Millis) -> Option<String> {
+    let claim = &req.dedupe;
+    let id = &req.message.id;
+    let minutes = claim.ttl_secs / 60;
+    let derivable = now > 0
+        && claim.fingerprint.is_empty()
+        && claim.ttl_secs % 60 == 0
+        && (1..=COMPACT_CLAIM_MAX_MINUTES).contains(&minutes)
+        && *id == MessageId::of_claim(now, id.partition(), &claim.key)
+        && stored_response(&claim.response) == format!("#{}", &id.as_str()[ID_PREFIX.len()..]);
+    derivable
+        .then(|| format!("{now}{minutes:05}"))
+        .filter(|value| value.parse::<i64>().is_ok())
+}
+
 /// The start of a response that [`stored_response`] keeps as the message id alone.
 const MESSAGE_ID_RESPONSE: (&str, &str) = (r#"{"messageId":""#, r#""}"#);
 
@@ -518,7 +545,84 @@ pub(super) fn stored_response_text(stored: &str) -> Result<String, StoreError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{spread, stored_response, stored_response_text};
+    use super::{compact_claim, spread, stored_response, stored_response_text};
+    use crate::store::{
+        AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions,
+    };
+
+    const NOW: i64 = 1_764_460_800_000;
+
+    /// An inbound callback's request as `inbound::accept` makes it: the id derived from the
+    /// claim key, no fingerprint, the answer naming the id.
+    fn callback(claim_key: &str, ttl_secs: u64) -> AcceptRequest {
+        let ordering_key = "src/payzu/tx1";
+        let id = MessageId::for_claim(NOW, ordering_key, Partitions::DEFAULT, claim_key);
+        AcceptRequest {
+            dedupe: DedupeClaim {
+                key: claim_key.into(),
+                ttl_secs,
+                fingerprint: String::new(),
+                response: format!(r#"{{"messageId":"{id}"}}"#),
+            },
+            message: NewMessage {
+                id,
+                kind: MessageKind::Inbound,
+                source: Some("payzu".into()),
+                payment_id: None,
+                transaction_id: Some("tx1".into()),
+                ordering_key: ordering_key.into(),
+                event: None,
+                target_url: None,
+                headers: Default::default(),
+                body: "{}".into(),
+                created_at: NOW,
+                deadline: NOW + 1,
+            },
+            payment: None,
+            seal: None,
+        }
+    }
+
+    #[test]
+    fn a_claim_is_compact_only_when_its_answer_is_rebuilt_from_it() {
+        let compact = compact_claim(&callback("claim-a", 2_592_000), NOW).unwrap();
+        assert_eq!(
+            compact,
+            format!("{NOW}43200"),
+            "acceptance ms, 30 days in minutes"
+        );
+        assert_eq!(
+            compact.parse::<i64>().unwrap().to_string(),
+            compact,
+            "canonical"
+        );
+
+        let mut fingerprinted = callback("claim-a", 2_592_000);
+        fingerprinted.dedupe.fingerprint = "fp".into();
+        let mut other_answer = callback("claim-a", 2_592_000);
+        other_answer.dedupe.response.push(' ');
+        let mut random_id = callback("claim-a", 2_592_000);
+        random_id.message.id = MessageId::generate(NOW, "src/payzu/tx1", Partitions::DEFAULT);
+        random_id.dedupe.response = format!(r#"{{"messageId":"{}"}}"#, random_id.message.id);
+        for (why, req, now) in [
+            ("a fingerprint", fingerprinted, NOW),
+            ("another answer", other_answer, NOW),
+            ("a random id", random_id, NOW),
+            (
+                "an id of another time",
+                callback("claim-a", 2_592_000),
+                NOW + 1,
+            ),
+            ("seconds", callback("claim-a", 2_592_030), NOW),
+            ("over 69 days", callback("claim-a", 100_000 * 60), NOW),
+        ] {
+            assert_eq!(compact_claim(&req, now), None, "{why}");
+        }
+        assert_eq!(
+            compact_claim(&callback("claim-a", 60), NOW),
+            Some(format!("{NOW}00001"))
+        );
+    }
 
     #[test]
     fn stored_responses_come_back_byte_for_byte() {

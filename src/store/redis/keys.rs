@@ -9,7 +9,7 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `d:<h16>` | string | dedupe claim: end ms `\|` fingerprint `\n` stored response (below), `dedupe_ttl_secs` |
+//! | `d:<h16>` | string | dedupe claim: end ms `\|` fingerprint `\n` stored response (below), or a compact claim (below), `dedupe_ttl_secs` |
 //! | `s:<hash>` | string | signature seal: end ms `\|` the first answer (stored response), while it is valid |
 //! | `m:<id>` | hash | message record and mutable state (fields below) |
 //! | `a:<id>` | list | attempt history (JSON rows): the first and the latest 100 |
@@ -26,6 +26,17 @@
 //! whole name fits a 32-byte allocation. A stored response is `=` and the response, or `#` and
 //! a message id when the response was exactly `{"messageId":"<id>"}` (rebuilt byte for byte),
 //! which keeps a callback's claim within Redis' 44-byte embedded strings.
+//!
+//! A compact claim is an inbound callback's: no fingerprint, and the answer
+//! `{"messageId":"<id>"}` naming the id derived from the acceptance ms and the claim key
+//! ([`MessageId::of_claim`] in this partition). It is one integer, the acceptance ms followed
+//! by the lifetime in whole minutes as 5 digits (`176446080000043200`: 30 days), which Redis
+//! keeps in its 16-byte object header instead of a 64-byte embedded string. Its end is the
+//! acceptance plus that lifetime, the one set when it was written, as for every string (a
+//! later change of `dedupe_ttl_secs` applies to claims written after it); a replay rebuilds
+//! the answer from the acceptance ms, the partition and its own claim key, and a request
+//! with a fingerprint conflicts with it. A claim whose lifetime is not whole minutes, or over
+//! 99 999 of them, keeps the string form.
 //!
 //! Every string carries its end, so one `SET ... PX` writes it with its Redis TTL and the
 //! caller's clock judges it. Its member goes to the bucket of its end, and the sweeper deletes
@@ -67,8 +78,9 @@ use crate::store::{MessageId, MessageState};
 
 /// The layout this binary writes. 1: the first release (TTLs only, global trims);
 /// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history; 3: ends inside
-/// the strings, hourly expiry buckets, no index of all messages, compact dedupe claims.
-pub const SCHEMA_VERSION: u32 = 3;
+/// the strings, hourly expiry buckets, no index of all messages, compact dedupe claims;
+/// 4: a callback's dedupe claim may be one integer (its id is derived from the claim key).
+pub const SCHEMA_VERSION: u32 = 4;
 
 /// Width of an expiry bucket: a member is deleted by the first sweep at or after its end, and
 /// at the latest one bucket later when it was pushed behind a later end.

@@ -15,6 +15,10 @@
 //! field) and leaves the v2 index in the same transaction, so a page is upgraded entirely or
 //! not at all. The index of all messages is dropped last.
 //!
+//! Version 4 may keep an inbound callback's dedupe claim as one integer (keys.rs). It rewrites
+//! nothing: the string claims of version 3 stay readable until they end, and only the version
+//! key changes, so a version-3 binary refuses the store once integers may be in it.
+//!
 //! Every step is idempotent (members are added with `NX`, a payment is extended only while
 //! it has no member yet, a v2 expiry member leaves with its upgrade), so an upgrade cut short
 //! by a crash is simply run again. The version key is written last. Old processes must be
@@ -93,7 +97,9 @@ impl RedisStore {
         if found == 1 {
             self.v1_to_v2(now).await.map_err(during_upgrade)?;
         }
-        self.v2_to_v3(now).await.map_err(during_upgrade)?;
+        if found <= 2 {
+            self.v2_to_v3(now).await.map_err(during_upgrade)?;
+        }
         // Two writes, as the two keys may live on two masters; a crash in between leaves a lock
         // that expires.
         self.write::<()>(&Cmd::set(&schema_key, SCHEMA_VERSION))

@@ -7,7 +7,9 @@
 --       7 initial state, 8 payment target status ('' = none),
 --       9 allowed previous statuses (space separated), 10 payment retention secs,
 --       11 message retention secs, 12 seal expiry ms ('' = no seal), 13 short hash of the
---       ordering key
+--       ordering key, 14 the digits after the time of the id a compact claim of this claim
+--       key names (partition, claim key hash), 15 the compact claim to write ('' = write
+--       the string form)
 --
 -- Lifetimes are decided by the caller's clock (expiry.lua): a string past its end is treated
 -- as absent, and the sweeper deletes it.
@@ -21,15 +23,30 @@ if ARGV[12] ~= '' then
   local first = live(KEYS[9], now)
   if first then return {'dup', first} end
 end
-local existing = live(KEYS[1], now)
-if existing then
-  local sep = string.find(existing, '\n', 1, true)
-  if string.sub(existing, 1, sep - 1) ~= ARGV[2] then
-    return {'conflict'}
+local claim = redis.call('GET', KEYS[1])
+local accepted, claim_ends = compact_claim(claim)
+if accepted then
+  if claim_ends > now then
+    -- It was written only for an empty fingerprint and the answer naming the derived id,
+    -- rebuilt here in the stored-response form of that id (keys.rs).
+    if ARGV[2] ~= '' then
+      return {'conflict'}
+    end
+    local response = '#' .. string.format('%012x', accepted) .. ARGV[14]
+    seal(response)
+    return {'dup', response}
   end
-  local response = string.sub(existing, sep + 1)
-  seal(response)
-  return {'dup', response}
+else
+  local existing = live_payload(claim, now)
+  if existing then
+    local sep = string.find(existing, '\n', 1, true)
+    if string.sub(existing, 1, sep - 1) ~= ARGV[2] then
+      return {'conflict'}
+    end
+    local response = string.sub(existing, sep + 1)
+    seal(response)
+    return {'dup', response}
+  end
 end
 if ARGV[8] ~= '' then
   local current = live(KEYS[7], now) or 'undefined'
@@ -43,7 +60,12 @@ if ARGV[8] ~= '' then
   put(KEYS[8], KEYS[7], ARGV[8], now + tonumber(ARGV[10]) * 1000, now)
 end
 local id = ARGV[4]
-put(KEYS[8], KEYS[1], ARGV[2] .. '\n' .. ARGV[3], now + tonumber(ARGV[1]) * 1000, now)
+local claim_until = now + tonumber(ARGV[1]) * 1000
+if ARGV[15] ~= '' then
+  put_value(KEYS[8], KEYS[1], ARGV[15], claim_until, now)
+else
+  put(KEYS[8], KEYS[1], ARGV[2] .. '\n' .. ARGV[3], claim_until, now)
+end
 seal(ARGV[3])
 -- The other fields start at their defaults, which an absent field means.
 if ARGV[7] == 'pending' then
