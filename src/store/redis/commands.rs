@@ -500,7 +500,7 @@ fn compact_claim(req: &AcceptRequest, now: Millis) -> Option<String> {
     let minutes = claim.ttl_secs / 60;
     let derivable = now > 0
         && claim.fingerprint.is_empty()
-        && claim.ttl_secs % 60 == 0
+        && claim.ttl_secs.is_multiple_of(60)
         && (1..=COMPACT_CLAIM_MAX_MINUTES).contains(&minutes)
         && *id == MessageId::of_claim(now, id.partition(), &claim.key)
         && stored_response(&claim.response) == format!("#{}", &id.as_str()[ID_PREFIX.len()..]);
