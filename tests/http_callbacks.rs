@@ -116,6 +116,8 @@ async fn claim_survives_a_redis_kill_and_has_a_30_day_ttl() {
         .to_string();
     let ttl: i64 = redis.cli(&["ttl", &key]).parse().unwrap();
     assert!((2_591_990..=2_592_000).contains(&ttl), "ttl {ttl}");
+    // A callback's claim is one integer (src/store/redis/keys.rs).
+    assert_eq!(redis.cli(&["object", "encoding", &key]), "int");
 
     // SIGKILL, not a clean shutdown: only what the AOF had fsynced survives.
     redis.stop(true);
@@ -127,6 +129,11 @@ async fn claim_survives_a_redis_kill_and_has_a_30_day_ttl() {
     .await;
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(again.text().await.unwrap(), first_body);
+    assert_eq!(
+        redis.cli(&["object", "encoding", &key]),
+        "int",
+        "and stays one after the AOF is replayed"
+    );
 }
 
 #[tokio::test]
