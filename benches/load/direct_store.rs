@@ -26,7 +26,8 @@ fn inbound_accept(tx: &str, now: i64, target_url: &str, partitions: Partitions) 
     let value: serde_json::Value = serde_json::from_str(&body).expect("bench body is JSON");
     let key = dedupe::derive("payzu", &value, None, &DEFAULT_FIELDS).expect("bench body has a key");
     let ordering_key = format!("src/payzu/{}", key.transaction_id);
-    let id = MessageId::generate(now, &ordering_key, partitions);
+    // As the HTTP layer makes it (src/inbound/accept.rs), so its claim takes the same form.
+    let id = MessageId::for_claim(now, &ordering_key, partitions, &key.key);
     let response = format!(r#"{{"messageId":"{id}"}}"#);
     AcceptRequest {
         dedupe: DedupeClaim {
