@@ -29,7 +29,7 @@ const LEN: usize = PREFIX.len() + 12 + 2 + TAIL_DIGITS;
 /// Hex digits after the time and the partition.
 const TAIL_DIGITS: usize = 14;
 /// What [`MessageId::parse`] accepts, as a regular expression (the OpenAPI document's
-/// pattern for ids and cursors): 12 digits of time, 2 of partition, 14 random ones.
+/// pattern for ids and cursors): 12 digits of time, 2 of partition, 14 more.
 pub const PATTERN: &str = "^msg_[0-9a-f]{28}$";
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
