@@ -11,8 +11,8 @@
 //! naming a partition the store does not have is simply not found there.
 //!
 //! Why a callback's id is derived: (acceptance ms, partition, claim key) then rebuild it, so
-//! the Redis store keeps the claim as one integer, the acceptance ms (redis/keys.rs), and a
-//! replay's answer is rebuilt from it. Two callbacks share an id only if they share the claim
+//! the Redis store keeps the claim as one integer, the acceptance ms and the lifetime
+//! (redis/keys.rs), and a replay's answer is rebuilt from it. Two callbacks share an id only if they share the claim
 //! key, the partition and the millisecond, and a claim key is accepted once while its claim
 //! lasts (at least a second); distinct claim keys collide as rarely as random digits would.
 

@@ -503,7 +503,7 @@ fn compact_claim(req: &AcceptRequest, now: Millis) -> Option<String> {
         && claim.ttl_secs.is_multiple_of(60)
         && (1..=COMPACT_CLAIM_MAX_MINUTES).contains(&minutes)
         && *id == MessageId::of_claim(now, id.partition(), &claim.key)
-        && stored_response(&claim.response) == format!("#{}", &id.as_str()[ID_PREFIX.len()..]);
+        && claim.response == format!(r#"{{"messageId":"{id}"}}"#);
     derivable
         .then(|| format!("{now}{minutes:05}"))
         .filter(|value| value.parse::<i64>().is_ok())
