@@ -2,13 +2,11 @@
 //! `KEYS` and `ARGV` in the order given here) and decodes the reply. Resend operations are
 //! plain commands: they belong to no message.
 
-use std::sync::atomic::Ordering;
-
-use redis::{Cmd, Pipeline, Script, Value};
+use redis::{Cmd, Pipeline, Script};
 
 use super::connection::Sent;
 use super::keys;
-use super::{RedisStore, corrupt, decode, decode_message, reads, script_call, to_json};
+use super::{RedisStore, corrupt, one_call, reads, script_call, to_json};
 use crate::clock::Millis;
 use crate::store::ids::claim_tail;
 use crate::store::{
@@ -21,7 +19,7 @@ use crate::store::{
 /// `expiry.lua`), prepended to the scripts that use them.
 pub(super) struct Scripts {
     accept: LuaScript,
-    claim: LuaScript,
+    pub(super) claim: LuaScript,
     complete: LuaScript,
     release: LuaScript,
     resend: LuaScript,
@@ -138,7 +136,12 @@ pub(super) async fn accept(
         .arg(compact_claim(req, now).unwrap_or_default());
     let reply: Vec<String> = store.eval(script, &call).await?;
     match reply.as_slice() {
-        [ok] if ok == "ok" => Ok(AcceptOutcome::Accepted),
+        [ok] if ok == "ok" => {
+            if initial == MessageState::Pending {
+                store.hints.wrote(msg.id.partition());
+            }
+            Ok(AcceptOutcome::Accepted)
+        }
         [dup, stored] if dup == "dup" => Ok(AcceptOutcome::Replayed {
             response: stored_response_text(stored)?,
         }),
@@ -148,163 +151,6 @@ pub(super) async fn accept(
         }
         other => Err(corrupt(format!("accept script answered {other:?}"))),
     }
-}
-
-pub(super) async fn claim(
-    store: &RedisStore,
-    now: Millis,
-    limit: usize,
-    lease_ms: u64,
-) -> Result<Vec<Lease>, StoreError> {
-    if limit == 0 {
-        return Ok(Vec::new());
-    }
-    // Asking every partition for `limit / partitions` (rounded up) would lease one message
-    // per partition when asked for one, and a caller sizes `limit` to its free workers. So
-    // first count what each partition has, then ask each for its share.
-    let available = claimable_per_partition(store, now).await?;
-    let start = store.next_claim_start.load(Ordering::Relaxed);
-    let (quotas, next_start) = spread(limit, &available, start);
-    store.next_claim_start.store(next_start, Ordering::Relaxed);
-    if quotas.iter().all(|q| *q == 0) {
-        return Ok(Vec::new());
-    }
-    // One call per partition with a share. A partition whose master does not answer keeps
-    // its messages for a later claim; the others are delivered meanwhile.
-    let script = &store.scripts.claim;
-    let mut calls = Vec::new();
-    for (keys, quota) in store.keys.all().zip(quotas) {
-        if quota == 0 {
-            continue;
-        }
-        let mut call = script_call(
-            script,
-            &[
-                keys.due(),
-                keys.lease(),
-                keys.index(MessageState::Pending),
-                keys.index(MessageState::InFlight),
-            ],
-        );
-        call.arg(now)
-            .arg(quota)
-            .arg(lease_ms)
-            .arg(keys.prefix())
-            .arg(if store.store_clock_leases { "1" } else { "0" });
-        calls.push(one_call(call));
-    }
-    let mut leases = Vec::new();
-    let mut failure = None;
-    for reply in store
-        .per_partition::<(Vec<Value>,)>(Sent::Script(script), &calls)
-        .await
-    {
-        match reply {
-            Ok((page,)) => leases.extend(page),
-            Err(e) => failure = Some(e),
-        }
-    }
-    match failure {
-        Some(e) if leases.is_empty() => Err(e),
-        _ => leases.into_iter().map(decode_lease).collect(),
-    }
-}
-
-/// A pipeline of one command, for [`RedisStore::per_partition`].
-fn one_call(call: Cmd) -> Pipeline {
-    let mut pipe = redis::pipe();
-    pipe.add_command(call);
-    pipe
-}
-
-/// How many messages each partition could hand out at `now`: due heads plus expired leases
-/// (which claim.lua makes due again first). On a cluster, leases are judged by the clock of
-/// the node that answers `TIME` here, and again by each partition's master in claim.lua:
-/// masters whose clocks disagree only make these counts approximate.
-async fn claimable_per_partition(
-    store: &RedisStore,
-    now: Millis,
-) -> Result<Vec<usize>, StoreError> {
-    let lease_now = if store.store_clock_leases {
-        let (secs, micros): (i64, i64) = store.send(&redis::cmd("TIME")).await?;
-        secs * 1000 + micros / 1000
-    } else {
-        now
-    };
-    let counts: Vec<Pipeline> = store
-        .keys
-        .all()
-        .map(|keys| {
-            let mut pipe = redis::pipe();
-            pipe.zcount(keys.due(), "-inf", now)
-                .zcount(keys.lease(), "-inf", lease_now);
-            pipe
-        })
-        .collect();
-    // A partition whose master does not answer has nothing to hand out now.
-    let mut available = Vec::with_capacity(counts.len());
-    let mut failure = None;
-    for count in store
-        .per_partition::<(usize, usize)>(Sent::Read, &counts)
-        .await
-    {
-        match count {
-            Ok((due, expired)) => available.push(due + expired),
-            Err(e) => {
-                available.push(0);
-                failure = Some(e);
-            }
-        }
-    }
-    match failure {
-        Some(e) if available.iter().all(|a| *a == 0) => Err(e),
-        _ => Ok(available),
-    }
-}
-
-/// Shares `limit` among partitions one message at a time, round-robin from `start`, never
-/// giving a partition more than it has available. The quotas sum to at most `limit`. Also
-/// returns where the next claim starts: after the partition that got the last message, so
-/// with a small limit every partition with work gets its turn in order, however many idle
-/// partitions lie between them (a start that merely moved by one would hand the first busy
-/// partition after a long idle run every turn that starts in that run).
-fn spread(limit: usize, available: &[usize], start: usize) -> (Vec<usize>, usize) {
-    let n = available.len();
-    let mut quotas = vec![0; n];
-    let mut next_start = start;
-    let mut left = limit;
-    loop {
-        let mut gave = false;
-        for i in 0..n {
-            if left == 0 {
-                return (quotas, next_start);
-            }
-            let p = (start + i) % n;
-            if quotas[p] < available[p] {
-                quotas[p] += 1;
-                left -= 1;
-                gave = true;
-                next_start = (p + 1) % n;
-            }
-        }
-        if !gave {
-            return (quotas, next_start);
-        }
-    }
-}
-
-/// One row of claim.lua's reply: record, lease token, tries, `rb`, deadline (empty: the
-/// record's).
-fn decode_lease(row: Value) -> Result<Lease, StoreError> {
-    let (rec, token, tries, rb, deadline): (String, u64, u32, u32, String) = decode(row)?;
-    let message = decode_message(&rec)?;
-    Ok(Lease {
-        deadline: deadline.parse().unwrap_or(message.deadline),
-        message,
-        token,
-        attempts: tries,
-        backoff_step: tries.saturating_sub(rb),
-    })
 }
 
 pub(super) async fn complete(
@@ -344,7 +190,13 @@ pub(super) async fn complete(
         .arg(now)
         .arg(store.retention_secs)
         .arg(HISTORY_TAIL);
-    applied(store, script, &call).await
+    // 2: applied, and something of the partition was made due (a retry, a resend's attempt,
+    // the next message of the key)
+    let done: i64 = store.eval(script, &call).await?;
+    if done == 2 {
+        store.hints.wrote(id.partition());
+    }
+    Ok(done > 0)
 }
 
 pub(super) async fn release(
@@ -366,12 +218,11 @@ pub(super) async fn release(
         ],
     );
     call.arg(id.as_str()).arg(claimed.token).arg(next_at);
-    applied(store, script, &call).await
-}
-
-/// Sends a call of a script that answers 1 when it applied, 0 when the lease was lost.
-async fn applied(store: &RedisStore, script: &LuaScript, call: &Cmd) -> Result<bool, StoreError> {
-    let done: i64 = store.eval(script, call).await?;
+    // 1 when it applied, 0 when the lease was lost
+    let done: i64 = store.eval(script, &call).await?;
+    if done == 1 {
+        store.hints.wrote(id.partition());
+    }
     Ok(done == 1)
 }
 
@@ -406,6 +257,7 @@ pub(super) async fn resend(
         .arg(now)
         .arg(HISTORY_TAIL);
     let effect: String = store.eval(script, &call).await?;
+    store.hints.wrote(id.partition());
     Ok(match effect.as_str() {
         "requeued" => ResendEffect::Requeued,
         "expedited" => ResendEffect::Expedited,
@@ -545,7 +397,7 @@ pub(super) fn stored_response_text(stored: &str) -> Result<String, StoreError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{compact_claim, spread, stored_response, stored_response_text};
+    use super::{compact_claim, stored_response, stored_response_text};
     use crate::store::{
         AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions,
     };
@@ -650,42 +502,5 @@ mod tests {
             "local EXPIRY_BUCKET_MS = {}\n",
             super::keys::EXPIRY_BUCKET_MS
         )));
-    }
-
-    #[test]
-    fn spread_never_exceeds_the_limit_nor_what_a_partition_has() {
-        let available = [0, 3, 0, 1, 10, 0];
-        for limit in 0..20 {
-            for start in 0..available.len() {
-                let (quotas, _) = spread(limit, &available, start);
-                let total: usize = quotas.iter().sum();
-                assert_eq!(total, limit.min(14), "limit {limit} start {start}");
-                assert!(quotas.iter().zip(&available).all(|(q, a)| q <= a));
-            }
-        }
-    }
-
-    #[test]
-    fn spread_shares_round_robin_from_the_start() {
-        assert_eq!(spread(3, &[5, 5, 5, 5], 1), (vec![0, 1, 1, 1], 0));
-        assert_eq!(spread(6, &[5, 5, 5, 5], 3), (vec![2, 1, 1, 2], 1));
-        assert_eq!(spread(4, &[0, 0], 0), (vec![0, 0], 0));
-    }
-
-    /// Claims of one message at a time over 128 partitions, two of them with work far apart:
-    /// they alternate, as they would with no idle partition between them.
-    #[test]
-    fn busy_partitions_take_turns_however_many_are_idle() {
-        let mut available = vec![0; 128];
-        available[3] = 1000;
-        available[90] = 1000;
-        let mut start = 0;
-        let mut served = Vec::new();
-        for _ in 0..6 {
-            let (quotas, next) = spread(1, &available, start);
-            served.push(quotas.iter().position(|q| *q == 1).expect("one served"));
-            start = next;
-        }
-        assert_eq!(served, vec![3, 90, 3, 90, 3, 90]);
     }
 }

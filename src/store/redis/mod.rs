@@ -34,6 +34,7 @@
 //! `reads.rs` answers the reads; both go through the round trips defined here, over the
 //! connection of `connection.rs` (one server or a cluster: neither needs to know which).
 
+mod claim;
 mod commands;
 mod connection;
 mod keys;
@@ -43,11 +44,10 @@ mod upgrade;
 
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::{Cmd, FromRedisValue, RedisResult, Value};
+use redis::{Cmd, FromRedisValue, Pipeline, RedisResult, Value};
 use serde::Serialize;
 
 use super::{
@@ -57,6 +57,7 @@ use super::{
 };
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
+use claim::Hints;
 use commands::{LuaScript, Scripts};
 use connection::{Connection, Primary, Request, is_refusal};
 use keys::KeySpace;
@@ -149,9 +150,8 @@ pub struct RedisStore {
     min_replicas_acked: u32,
     /// How long a `WAIT` blocks, inside the round trip's timeout.
     wait_timeout_ms: u64,
-    /// Partition that gets the first share of the next claim: the one after the partition
-    /// the previous claim served last, so a small `limit` serves busy partitions in turn.
-    next_claim_start: AtomicUsize,
+    /// What this process knows of each partition's claimable work (`claim.rs`).
+    hints: Hints,
 }
 
 impl RedisStore {
@@ -185,11 +185,12 @@ impl RedisStore {
             store_clock_leases: true,
             min_replicas_acked: 0,
             wait_timeout_ms: wait_timeout_ms(timeout),
-            next_claim_start: AtomicUsize::new(0),
+            hints: Hints::new(0),
         };
         let found = store.found_partitions().await?;
         let partitions = crate::store::partitions::settle(options.partitions, found)?;
         store.keys = KeySpace::new(&options.key_prefix, partitions);
+        store.hints = Hints::new(usize::from(partitions.count()));
         Ok(store)
     }
 
@@ -430,6 +431,13 @@ fn script_call(script: &LuaScript, keys: &[String]) -> Cmd {
     cmd
 }
 
+/// A pipeline of one command, for [`RedisStore::per_partition`].
+fn one_call(call: Cmd) -> Pipeline {
+    let mut pipe = redis::pipe();
+    pipe.add_command(call);
+    pipe
+}
+
 /// True when every key hashes to the slot of the first, as Redis Cluster computes it.
 fn in_one_slot(keys: &[String]) -> bool {
     use redis::cluster_routing::Slot;
@@ -492,7 +500,7 @@ impl Store for RedisStore {
         limit: usize,
         lease_ms: u64,
     ) -> Result<Vec<Lease>, StoreError> {
-        commands::claim(self, now, limit, lease_ms).await
+        claim::claim(self, now, limit, lease_ms).await
     }
 
     async fn complete(

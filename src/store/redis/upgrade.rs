@@ -106,6 +106,8 @@ impl RedisStore {
             .await?;
         self.write::<()>(&Cmd::del(self.keys.upgrade_lock()))
             .await?;
+        // Messages were rewritten behind the claim's back: count every partition again.
+        self.hints.forget_all();
         Ok(found)
     }
 
@@ -116,6 +118,7 @@ impl RedisStore {
         while tokio::time::Instant::now() < deadline {
             let version: Option<u32> = self.send(&Cmd::get(self.keys.schema())).await?;
             if version == Some(SCHEMA_VERSION) {
+                self.hints.forget_all();
                 return Ok(found);
             }
             tokio::time::sleep(Duration::from_millis(200)).await;

@@ -1,6 +1,9 @@
 -- Implements store::lifecycle::claim and store::lifecycle::expire_lease
 -- (src/store/lifecycle.rs).
 -- Leases due messages of one partition; expired leases (dead workers) are due again first.
+-- Answers {leased rows, what is left claimable, next due ms, next lease end ms}: the caller
+-- shares its next claims by it (src/store/redis/claim.rs); the two times only when nothing
+-- is left (else nil), each nil when there is none.
 -- KEYS: 1 due zset, 2 lease zset, 3 pending index, 4 in_flight index
 -- ARGV: 1 now ms, 2 limit, 3 lease ms, 4 partition key prefix, 5 '1' to time leases by
 --       this server's clock
@@ -35,4 +38,17 @@ for _, id in ipairs(ids) do
     table.insert(out, {f[1], tostring(token), f[2] or '0', f[3] or '0', f[4] or ''})
   end
 end
-return out
+-- Fewer due than the limit means none is left: expired leases beyond the limit would have
+-- filled it.
+local left = 0
+if #ids == limit then
+  left = redis.call('ZCOUNT', KEYS[1], '-inf', now) + redis.call('ZCOUNT', KEYS[2], '-inf', lease_now)
+end
+local due_at, lease_at = false, false
+if left == 0 then
+  local d = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if d[2] then due_at = tonumber(d[2]) end
+  local l = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if l[2] then lease_at = tonumber(l[2]) end
+end
+return {out, left, due_at, lease_at}

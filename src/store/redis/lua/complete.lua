@@ -1,5 +1,7 @@
 -- Implements store::lifecycle::complete (src/store/lifecycle.rs).
 -- Records a delivery attempt and its consequence, if the caller still holds the lease.
+-- Answers 0 when it does not; 2 when something was made due (the message again, or the next
+-- message of its key), which tells the caller's claim to count the partition again; else 1.
 -- KEYS: 1 message hash, 2 attempts list, 3 lease zset, 4 due zset, 5 ordering queue,
 --       6 in_flight index, 7 pending index, 8 index of the final state (delivered/dead),
 --       9 expiry bucket index
@@ -32,7 +34,7 @@ if outcome == 'retry' or cur[4] == '1' then
   redis.call('HDEL', KEYS[1], 'resume', 'again')
   redis.call('ZADD', KEYS[4], next_at, id)
   redis.call('ZADD', KEYS[7], 0, id)
-  return 1
+  return 2
 end
 redis.call('HSET', KEYS[1], 'state', outcome)
 if cur[3] or cur[4] then redis.call('HDEL', KEYS[1], 'resume', 'again') end
@@ -44,5 +46,6 @@ redis.call('LREM', KEYS[5], 1, id)
 local head = redis.call('LINDEX', KEYS[5], 0)
 if head then
   redis.call('ZADD', KEYS[4], ARGV[6], head)
+  return 2
 end
 return 1
