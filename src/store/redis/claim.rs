@@ -33,6 +33,13 @@ use crate::store::{Lease, MessageState, StoreError};
 /// dispatcher counts each partition at most 20 times a second rather than before every claim.
 pub(super) const RECOUNT_MS: Millis = 50;
 
+/// Most messages a partition is given per turn of a claim's share ([`spread`]). A call of
+/// claim.lua costs Redis about as much for one message as for several (the call, `TIME`, its
+/// range reads and count), and with every partition busy, one message per partition per turn
+/// made it one call per message. 16 is `dispatch.per_host_concurrency`'s default, the most a
+/// dispatcher claims at once for one host; partitions with work still take turns.
+pub(super) const CLAIM_CHUNK: usize = 16;
+
 /// What one partition had claimable when last counted or claimed from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Known {
@@ -126,7 +133,7 @@ impl Hints {
             .iter()
             .map(|h| h.known.map_or(0, |k| k.claimable))
             .collect();
-        let (quotas, next_start) = spread(limit, &available, table.next_start);
+        let (quotas, next_start) = spread(limit, &available, table.next_start, CLAIM_CHUNK);
         table.next_start = next_start;
         quotas
             .into_iter()
@@ -337,13 +344,13 @@ fn partition_number(partition: usize) -> u8 {
     u8::try_from(partition).unwrap_or(u8::MAX)
 }
 
-/// Shares `limit` among partitions one message at a time, round-robin from `start`, never
-/// giving a partition more than it has available. The quotas sum to at most `limit`. Also
-/// returns where the next claim starts: after the partition that got the last message, so
-/// with a small limit every partition with work gets its turn in order, however many idle
-/// partitions lie between them (a start that merely moved by one would hand the first busy
-/// partition after a long idle run every turn that starts in that run).
-fn spread(limit: usize, available: &[usize], start: usize) -> (Vec<usize>, usize) {
+/// Shares `limit` among partitions round-robin from `start`, up to `chunk` messages to a
+/// partition per turn, never giving a partition more than it has available. The quotas sum to
+/// at most `limit`. Also returns where the next claim starts: after the partition that got the
+/// last message, so with a small limit every partition with work gets its turn in order,
+/// however many idle partitions lie between them (a start that merely moved by one would hand
+/// the first busy partition after a long idle run every turn that starts in that run).
+fn spread(limit: usize, available: &[usize], start: usize, chunk: usize) -> (Vec<usize>, usize) {
     let n = available.len();
     let mut quotas = vec![0; n];
     let mut next_start = start;
@@ -355,9 +362,10 @@ fn spread(limit: usize, available: &[usize], start: usize) -> (Vec<usize>, usize
                 return (quotas, next_start);
             }
             let p = (start + i) % n;
-            if quotas[p] < available[p] {
-                quotas[p] += 1;
-                left -= 1;
+            let give = (available[p] - quotas[p]).min(chunk.max(1)).min(left);
+            if give > 0 {
+                quotas[p] += give;
+                left -= give;
                 gave = true;
                 next_start = (p + 1) % n;
             }

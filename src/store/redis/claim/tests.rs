@@ -1,6 +1,6 @@
 //! The sharing and the count-or-skip rule, on a virtual clock.
 
-use super::{Asked, Hints, Known, RECOUNT_MS, spread};
+use super::{Asked, CLAIM_CHUNK, Hints, Known, RECOUNT_MS, spread};
 use crate::clock::Millis;
 
 const T0: Millis = 1_700_000_000_000;
@@ -34,19 +34,24 @@ fn spread_never_exceeds_the_limit_nor_what_a_partition_has() {
     let available = [0, 3, 0, 1, 10, 0];
     for limit in 0..20 {
         for start in 0..available.len() {
-            let (quotas, _) = spread(limit, &available, start);
-            let total: usize = quotas.iter().sum();
-            assert_eq!(total, limit.min(14), "limit {limit} start {start}");
-            assert!(quotas.iter().zip(&available).all(|(q, a)| q <= a));
+            for chunk in 1..=CLAIM_CHUNK {
+                let (quotas, _) = spread(limit, &available, start, chunk);
+                let total: usize = quotas.iter().sum();
+                assert_eq!(total, limit.min(14), "limit {limit} start {start} chunk {chunk}");
+                assert!(quotas.iter().zip(&available).all(|(q, a)| q <= a));
+            }
         }
     }
 }
 
 #[test]
 fn spread_shares_round_robin_from_the_start() {
-    assert_eq!(spread(3, &[5, 5, 5, 5], 1), (vec![0, 1, 1, 1], 0));
-    assert_eq!(spread(6, &[5, 5, 5, 5], 3), (vec![2, 1, 1, 2], 1));
-    assert_eq!(spread(4, &[0, 0], 0), (vec![0, 0], 0));
+    assert_eq!(spread(3, &[5, 5, 5, 5], 1, 1), (vec![0, 1, 1, 1], 0));
+    assert_eq!(spread(6, &[5, 5, 5, 5], 3, 1), (vec![2, 1, 1, 2], 1));
+    assert_eq!(spread(4, &[0, 0], 0, 1), (vec![0, 0], 0));
+    assert_eq!(spread(6, &[5, 5, 5, 5], 3, 4), (vec![2, 0, 0, 4], 1));
+    assert_eq!(spread(12, &[5, 1, 0, 9], 0, 4), (vec![5, 1, 0, 6], 0));
+    assert_eq!(spread(20, &[5, 1, 0, 9], 0, 4), (vec![5, 1, 0, 9], 0));
 }
 
 /// Claims of one message at a time over 128 partitions, two of them with work far apart:
@@ -147,7 +152,7 @@ fn a_write_of_this_process_makes_its_partition_counted_at_once() {
 #[test]
 fn a_failed_call_leaves_the_partition_unknown() {
     let hints = Hints::new(2);
-    learn_all(&hints, T0, |_| claimable(T0, 5));
+    learn_all(&hints, T0, |_| claimable(T0, 1));
     let shares = hints.share(2);
     assert_eq!(shares.len(), 2);
     hints.learn(shares[0].0, None);
