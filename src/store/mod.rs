@@ -468,7 +468,9 @@ pub trait Store: Send + Sync + 'static {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError>;
 
     /// Leases up to `limit` due messages until `now + lease_ms`; messages whose lease expired
-    /// (their worker died) are due again.
+    /// (their worker died) are due again. What this store's own writes made due is seen at
+    /// once; what another process wrote may be seen up to a short while later (Redis: 50 ms,
+    /// `store/redis/claim.rs`).
     async fn claim_due(
         &self,
         now: Millis,

@@ -37,7 +37,11 @@ fn spread_never_exceeds_the_limit_nor_what_a_partition_has() {
             for chunk in 1..=CLAIM_CHUNK {
                 let (quotas, _) = spread(limit, &available, start, chunk);
                 let total: usize = quotas.iter().sum();
-                assert_eq!(total, limit.min(14), "limit {limit} start {start} chunk {chunk}");
+                assert_eq!(
+                    total,
+                    limit.min(14),
+                    "limit {limit} start {start} chunk {chunk}"
+                );
                 assert!(quotas.iter().zip(&available).all(|(q, a)| q <= a));
             }
         }
