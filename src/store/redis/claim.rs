@@ -10,8 +10,6 @@
 //! - claim.lua answers with what it left claimable in its partition and, when nothing, when
 //!   its next due entry and its earliest lease come due: a partition just claimed from is
 //!   known without a count;
-//! - a count ([`count`]) reads the two heads only: whether there is something, and if not,
-//!   when there will be;
 //! - a partition with nothing claimable is skipped until one of those moments;
 //! - a write of this process that may make work claimable there (an accept, a release, a
 //!   resend, a completion that queued a retry or promoted the next message of its key)
@@ -47,8 +45,7 @@ pub(super) const CLAIM_CHUNK: usize = 16;
 pub(super) struct Known {
     /// The lease clock when it was learnt.
     pub(super) at: Millis,
-    /// Messages claimable then: due entries and expired leases (after a count, which reads
-    /// only the heads, 1 for each head that was due: at least that many).
+    /// Messages claimable then: due entries and expired leases.
     pub(super) claimable: usize,
     /// With nothing claimable: the earliest entry of `due` (by the caller's clock, as `due`
     /// is), and the earliest lease's end (by the lease clock); `None` when there is none.
@@ -266,13 +263,10 @@ async fn lease_clock(store: &RedisStore, now: Millis) -> Result<Millis, StoreErr
     Ok(secs * 1000 + micros / 1000)
 }
 
-/// Learns what each of `asked` could hand out at `now` from the head of its `due` and of its
-/// leases: a due head means at least one due message, an expired lease head at least one
-/// expired lease (which claim.lua makes due again first), and with neither, the heads say when
-/// the next comes. Two reads per partition, as many as counting both would take, and they tell
-/// when to look again; the claim then answers with the exact count. Returns a failure, if any
-/// partition's read failed (it then counts as having nothing, and is read again at the next
-/// claim).
+/// Counts what each of `asked` could hand out at `now`: due entries plus expired leases
+/// (which claim.lua makes due again first), and when those are none, when the next of each
+/// comes. Returns a failure, if any partition's count failed (it then counts as having
+/// nothing, and is counted again at the next claim).
 async fn count(
     store: &RedisStore,
     asked: &[Asked],
@@ -284,26 +278,24 @@ async fn count(
         .map(|a| {
             let keys = store.keys.of_partition(partition_number(a.partition));
             let mut pipe = redis::pipe();
-            pipe.zrange_withscores(keys.due(), 0, 0)
+            pipe.zcount(keys.due(), "-inf", now)
+                .zcount(keys.lease(), "-inf", lease_now)
+                .zrange_withscores(keys.due(), 0, 0)
                 .zrange_withscores(keys.lease(), 0, 0);
             pipe
         })
         .collect();
     let mut failure = None;
     let replies = store
-        .per_partition::<(Value, Value)>(Sent::Read, &counts)
+        .per_partition::<(usize, usize, Value, Value)>(Sent::Read, &counts)
         .await;
     for (a, reply) in asked.iter().zip(replies) {
-        let known = reply.and_then(|(due_head, lease_head)| {
-            let due_at = head_score(due_head)?;
-            let lease_at = head_score(lease_head)?;
-            let due = due_at.is_some_and(|at| at <= now);
-            let expired = lease_at.is_some_and(|at| at <= lease_now);
+        let known = reply.and_then(|(due, expired, due_head, lease_head)| {
             Ok(Known {
                 at: lease_now,
-                claimable: usize::from(due) + usize::from(expired),
-                due_at,
-                lease_at,
+                claimable: due + expired,
+                due_at: head_score(due_head)?,
+                lease_at: head_score(lease_head)?,
             })
         });
         match known {
