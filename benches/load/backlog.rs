@@ -127,7 +127,7 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         let mid = v.len() / 2;
-        if v.len() % 2 == 0 {
+        if v.len().is_multiple_of(2) {
             (v[mid - 1] + v[mid]) / 2.0
         } else {
             v[mid]
