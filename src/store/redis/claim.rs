@@ -12,8 +12,9 @@
 //!   known without a count;
 //! - a partition with nothing claimable is skipped until one of those moments;
 //! - a write of this process that may make work claimable there (an accept, a release, a
-//!   resend, a completion that queued a retry or promoted the next message of its key)
-//!   forgets what was known, so the next claim counts it;
+//!   resend, a completion that queued a retry or promoted the next message of its key) makes
+//!   the next claim count it; what was known until then stays a lower bound, since this
+//!   process's writes only add claimable work;
 //! - whatever is known is counted again after [`RECOUNT_MS`]: other processes sharing the
 //!   store write work this process hears nothing about.
 
@@ -70,9 +71,14 @@ impl Known {
 #[derive(Debug, Default, Clone, Copy)]
 struct Hint {
     known: Option<Known>,
-    /// This process's writes to the partition: what a count or claim learnt is kept only if
-    /// none happened while it was on its way, since it may predate one.
+    /// This process's writes to the partition, so that a count or claim can tell whether one
+    /// happened while it was on its way.
     writes: u64,
+    /// Set by a write of this process, and kept while what is learnt may predate one: `known`
+    /// is then a lower bound, good for sharing the claim at hand (dropping it would give a
+    /// partition this process keeps writing to no share at all), and counted again at the
+    /// next claim.
+    recount: bool,
 }
 
 /// What this process knows of every partition's claimable work, and where the next share
@@ -116,7 +122,7 @@ impl Hints {
             .partitions
             .iter()
             .enumerate()
-            .filter(|(_, h)| !h.known.is_some_and(|k| k.trusted(now, lease_now)))
+            .filter(|(_, h)| h.recount || !h.known.is_some_and(|k| k.trusted(now, lease_now)))
             .map(|(partition, h)| Asked {
                 partition,
                 writes: h.writes,
@@ -146,14 +152,14 @@ impl Hints {
             .collect()
     }
 
-    /// What a count or a claim of `asked` found (`None`: it failed, so count again); dropped
-    /// if this process wrote there since it was asked.
+    /// What a count or a claim of `asked` found (`None`: it failed, so count again). If this
+    /// process wrote there since it was asked, it is only a lower bound: the next claim
+    /// counts again.
     pub(super) fn learn(&self, asked: Asked, known: Option<Known>) {
         let mut table = self.table();
-        if let Some(hint) = table.partitions.get_mut(asked.partition)
-            && hint.writes == asked.writes
-        {
+        if let Some(hint) = table.partitions.get_mut(asked.partition) {
             hint.known = known;
+            hint.recount = hint.writes != asked.writes;
         }
     }
 
@@ -162,7 +168,7 @@ impl Hints {
         let mut table = self.table();
         if let Some(hint) = table.partitions.get_mut(usize::from(partition)) {
             hint.writes += 1;
-            hint.known = None;
+            hint.recount = true;
         }
     }
 
@@ -346,20 +352,22 @@ fn partition_number(partition: usize) -> u8 {
 
 /// Shares `limit` among partitions round-robin from `start`, up to `chunk` messages to a
 /// partition per turn, never giving a partition more than it has available. The quotas sum to
-/// at most `limit`. Also returns where the next claim starts: after the partition that got the
-/// last message, so with a small limit every partition with work gets its turn in order,
-/// however many idle partitions lie between them (a start that merely moved by one would hand
-/// the first busy partition after a long idle run every turn that starts in that run).
+/// at most `limit`. Also returns where the next claim starts: after the first partition this
+/// one served, so every partition with work gets its turn in order, however many idle
+/// partitions lie between them (a start that merely moved by one would hand the first busy
+/// partition after a long idle run every turn that starts in that run), and the one whose
+/// chunk the limit cut short leads the next claim (a start after the last one served would
+/// give the same partition the full chunk every time).
 fn spread(limit: usize, available: &[usize], start: usize, chunk: usize) -> (Vec<usize>, usize) {
     let n = available.len();
     let mut quotas = vec![0; n];
-    let mut next_start = start;
+    let mut first_served = None;
     let mut left = limit;
     loop {
         let mut gave = false;
         for i in 0..n {
             if left == 0 {
-                return (quotas, next_start);
+                return (quotas, after(first_served, start, n));
             }
             let p = (start + i) % n;
             let give = (available[p] - quotas[p]).min(chunk.max(1)).min(left);
@@ -367,13 +375,19 @@ fn spread(limit: usize, available: &[usize], start: usize, chunk: usize) -> (Vec
                 quotas[p] += give;
                 left -= give;
                 gave = true;
-                next_start = (p + 1) % n;
+                first_served.get_or_insert(p);
             }
         }
         if !gave {
-            return (quotas, next_start);
+            return (quotas, after(first_served, start, n));
         }
     }
+}
+
+/// Where the claim after one that first served `first_served` starts (`start` again when it
+/// served none).
+fn after(first_served: Option<usize>, start: usize, n: usize) -> usize {
+    first_served.map_or(start, |p| (p + 1) % n)
 }
 
 #[cfg(test)]

@@ -50,12 +50,30 @@ fn spread_never_exceeds_the_limit_nor_what_a_partition_has() {
 
 #[test]
 fn spread_shares_round_robin_from_the_start() {
-    assert_eq!(spread(3, &[5, 5, 5, 5], 1, 1), (vec![0, 1, 1, 1], 0));
-    assert_eq!(spread(6, &[5, 5, 5, 5], 3, 1), (vec![2, 1, 1, 2], 1));
+    assert_eq!(spread(3, &[5, 5, 5, 5], 1, 1), (vec![0, 1, 1, 1], 2));
+    assert_eq!(spread(6, &[5, 5, 5, 5], 3, 1), (vec![2, 1, 1, 2], 0));
     assert_eq!(spread(4, &[0, 0], 0, 1), (vec![0, 0], 0));
-    assert_eq!(spread(6, &[5, 5, 5, 5], 3, 4), (vec![2, 0, 0, 4], 1));
-    assert_eq!(spread(12, &[5, 1, 0, 9], 0, 4), (vec![5, 1, 0, 6], 0));
-    assert_eq!(spread(20, &[5, 1, 0, 9], 0, 4), (vec![5, 1, 0, 9], 0));
+    assert_eq!(spread(6, &[5, 5, 5, 5], 3, 4), (vec![2, 0, 0, 4], 0));
+    assert_eq!(spread(12, &[5, 1, 0, 9], 0, 4), (vec![5, 1, 0, 6], 1));
+    assert_eq!(spread(20, &[0, 1, 0, 9], 2, 4), (vec![0, 1, 0, 9], 0));
+}
+
+/// A limit above the chunk: the partition whose chunk the limit cut short leads the next
+/// claim, so two busy partitions split the messages evenly (with the start after the last
+/// partition served, one of them got 16 of every 20).
+#[test]
+fn a_limit_above_the_chunk_is_shared_evenly() {
+    let available = [1_000_000, 0, 1_000_000];
+    let mut totals = [0; 3];
+    let mut start = 0;
+    for _ in 0..1000 {
+        let (quotas, next) = spread(20, &available, start, CLAIM_CHUNK);
+        for (total, quota) in totals.iter_mut().zip(quotas) {
+            *total += quota;
+        }
+        start = next;
+    }
+    assert_eq!(totals, [10_000, 0, 10_000]);
 }
 
 /// Claims of one message at a time over 128 partitions, two of them with work far apart:
@@ -124,8 +142,9 @@ fn an_empty_partition_is_skipped_until_its_next_due_entry_or_lease_end() {
     assert_eq!(counted(&hints, T0 + 20, T0 + 9), vec![1]);
 }
 
-/// A write of this process makes its partition counted at the next claim, and what a count or
-/// claim sent before that write learnt is not kept.
+/// A write of this process makes its partition counted at the next claim; what a count or
+/// claim sent before that write learnt shares the claim at hand, as a lower bound, and is
+/// counted again at the next.
 #[test]
 fn a_write_of_this_process_makes_its_partition_counted_at_once() {
     let hints = Hints::new(3);
@@ -138,7 +157,14 @@ fn a_write_of_this_process_makes_its_partition_counted_at_once() {
         .collect();
     hints.wrote(1);
     assert_eq!(counted(&hints, T0, T0), vec![1]);
-    hints.learn(asked_before[1], Some(claimable(T0, 0)));
+    hints.learn(asked_before[1], Some(claimable(T0, 3)));
+    let shares = hints.share(5);
+    assert_eq!(
+        shares.len(),
+        1,
+        "what a raced count found is shared: {shares:?}"
+    );
+    assert_eq!((shares[0].0.partition, shares[0].1), (1, 3));
     assert_eq!(counted(&hints, T0, T0), vec![1], "learnt before the write");
     let [asked] = hints.to_count(T0, T0)[..] else {
         panic!("one to count")
