@@ -84,6 +84,24 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     if repeats > 0 {
         report.note(format!("dispatch drain: {repeats} repeated deliveries"));
     }
+    if let Some(mib) = peak_rss_mib(dispatcher.pid) {
+        report.row(
+            "Peak RSS of callbackd during the drain",
+            format!("{mib:.1} MiB"),
+        );
+    }
+
+    if (got as u64) < handoff.ok {
+        report.note(format!(
+            "dispatch drain: watched for {} s at most; {got} of {} arrived by then",
+            plan.drain_cap_secs, handoff.ok
+        ));
+    }
+    // A fresh process on an empty queue, so a backlog left by a capped drain does not
+    // compete with the latency measurement.
+    dispatcher.stop();
+    env.redis.flushall().await?;
+    // With the drain's process stopped, so that a capped drain does not deliver beside wrk.
     eprintln!(
         "  wrk: raw POSTs into the same sink for {} s",
         plan.wrk_secs
@@ -104,23 +122,6 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
             "wrk: not measured ({e}); Debian: apt-get install wrk"
         )),
     }
-    if let Some(mib) = peak_rss_mib(dispatcher.pid) {
-        report.row(
-            "Peak RSS of callbackd during the drain",
-            format!("{mib:.1} MiB"),
-        );
-    }
-
-    if (got as u64) < handoff.ok {
-        report.note(format!(
-            "dispatch drain: watched for {} s at most; {got} of {} arrived by then",
-            plan.drain_cap_secs, handoff.ok
-        ));
-    }
-    // A fresh process on an empty queue, so a backlog left by a capped drain does not
-    // compete with the latency measurement.
-    dispatcher.stop();
-    env.redis.flushall().await?;
     let mut dispatcher =
         Daemon::start(env.dir.path(), "first-attempt", &env.redis.url(), true).await?;
 
