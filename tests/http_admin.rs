@@ -686,10 +686,7 @@ async fn a_store_failure_part_way_is_recorded_and_never_resent_twice() {
         .unwrap();
     assert_eq!(failed.status(), 503);
     assert!(failed.headers().contains_key("retry-after"));
-    assert_eq!(
-        failed.json::<Value>().await.unwrap()["error"],
-        "store_unavailable"
-    );
+    assert_eq!(failed.json::<Value>().await.unwrap()["error"], "store_full");
 
     // Space again: the repeat gets the partial answer that was recorded, and resends nothing.
     store.set_max_page_count(1 << 30).await.unwrap();

@@ -211,7 +211,7 @@ async fn a_full_disk_answers_503_and_records_nothing() {
             assert!(r.headers().contains_key("retry-after"));
             assert_eq!(
                 r.json::<serde_json::Value>().await.unwrap()["error"],
-                "store_unavailable"
+                "store_full"
             );
             refused = Some(tx);
             break;
@@ -219,11 +219,19 @@ async fn a_full_disk_answers_503_and_records_nothing() {
         assert_eq!(r.status(), 200);
     }
     let refused = refused.expect("a full disk refuses writes");
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503, "a full store is not ready");
+    assert_eq!(
+        ready.json::<serde_json::Value>().await.unwrap()["error"],
+        "store_full"
+    );
 
     // Space again: the refused callback is a first arrival, so nothing was recorded or burned.
     store.set_max_page_count(1 << 30).await.unwrap();
     let accepted = send(refused).await.unwrap();
     assert_eq!(accepted.status(), 200);
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200, "ready once there is room");
     assert!(accepted.headers().get("idempotent-replayed").is_none());
     shutdown.cancel();
 }

@@ -48,8 +48,9 @@ enum Backend {
     Cluster {
         prefix: String,
     },
-    /// Kept only so the directory outlives the store.
+    /// The directory is kept only so that it outlives the store.
     Sqlite {
+        store: std::sync::Arc<SqliteStore>,
         _dir: tempfile::TempDir,
         path: std::path::PathBuf,
     },
@@ -58,7 +59,7 @@ enum Backend {
 /// A store and what keeps it alive. `store` is declared first so it is dropped before the
 /// server or directory behind it.
 struct Harness {
-    store: Box<dyn Store>,
+    store: std::sync::Arc<dyn Store>,
     backend: Backend,
 }
 
@@ -71,7 +72,7 @@ impl Harness {
             .with_caller_clock_leases();
         store.upgrade(T0).await.expect("stamp the layout version");
         Harness {
-            store: Box::new(store),
+            store: std::sync::Arc::new(store),
             backend: Backend::Redis(server),
         }
     }
@@ -91,7 +92,7 @@ impl Harness {
             .with_min_replicas_acked(1);
         store.upgrade(T0).await.expect("stamp the layout version");
         Harness {
-            store: Box::new(store),
+            store: std::sync::Arc::new(store),
             backend: Backend::RedisWithReplica {
                 master,
                 _replica: replica,
@@ -107,7 +108,7 @@ impl Harness {
             .await;
         let store = store.with_min_replicas_acked(1);
         Harness {
-            store: Box::new(store),
+            store: std::sync::Arc::new(store),
             backend: Backend::Cluster { prefix },
         }
     }
@@ -115,10 +116,16 @@ impl Harness {
     async fn sqlite() -> Harness {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("cb.db");
-        let store = SqliteStore::open(&path, RETENTION_SECS).expect("open a fresh SQLite store");
+        let store = std::sync::Arc::new(
+            SqliteStore::open(&path, RETENTION_SECS).expect("open a fresh SQLite store"),
+        );
         Harness {
-            store: Box::new(store),
-            backend: Backend::Sqlite { _dir: dir, path },
+            store: store.clone(),
+            backend: Backend::Sqlite {
+                store,
+                _dir: dir,
+                path,
+            },
         }
     }
 
@@ -151,6 +158,43 @@ impl Harness {
                 .sum()
             }
         }
+    }
+
+    /// Leaves the store no room to grow: Redis at `maxmemory` with `noeviction` (a limit below
+    /// what it holds), SQLite capped at its current size as on a full disk.
+    async fn fill(&self) {
+        match &self.backend {
+            Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
+                server.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+                server.cli(&["CONFIG", "SET", "maxmemory", "1"]);
+            }
+            Backend::Sqlite { store, .. } => {
+                store.set_max_page_count(1).await.expect("cap the database");
+            }
+            Backend::Cluster { .. } => panic!("the shared cluster is never filled"),
+        }
+    }
+
+    /// Gives a filled store room again.
+    async fn free_space(&self) {
+        match &self.backend {
+            Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
+                server.cli(&["CONFIG", "SET", "maxmemory", "0"]);
+            }
+            Backend::Sqlite { store, .. } => {
+                store
+                    .set_max_page_count(1 << 30)
+                    .await
+                    .expect("lift the cap");
+            }
+            Backend::Cluster { .. } => panic!("the shared cluster is never filled"),
+        }
+    }
+
+    /// Whether a full store refuses every write that could grow it, whole (Redis, whose
+    /// memory has no slack), rather than the writes that do not fit its free pages (SQLite).
+    fn refuses_every_growing_write_when_full(&self) -> bool {
+        !matches!(self.backend, Backend::Sqlite { .. })
     }
 
     /// Sweeps at `now` until nothing more is due.
@@ -252,6 +296,139 @@ contract!(
     every_state_change_runs_in_every_partition,
     a_callback_claim_answers_with_its_derived_id,
 );
+
+/// The contract tests a store can be filled for: every engine, but not the cluster, which
+/// the tests of this binary share.
+macro_rules! contract_when_full {
+    ($($name:ident),* $(,)?) => {
+        mod full {
+            mod redis {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::$name(&super::super::Harness::redis().await).await;
+                    }
+                )*
+            }
+            mod redis_with_replica {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::$name(&super::super::Harness::redis_with_replica().await)
+                            .await;
+                    }
+                )*
+            }
+            mod sqlite {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::super::$name(&super::super::Harness::sqlite().await).await;
+                    }
+                )*
+            }
+        }
+    };
+}
+
+contract_when_full!(a_full_store_refuses_growing_writes_whole_and_goes_on_once_space_frees);
+
+/// A full store refuses with `Full`, recording nothing: the refused event's claim is not
+/// burnt, a delivery's attempt is refused whole (Redis) or applied whole (SQLite, when it
+/// fits a free page), `ping` says full, and the sweeper still frees what ended. Once space
+/// frees, the refused event is accepted and the leased message is delivered.
+async fn a_full_store_refuses_growing_writes_whole_and_goes_on_once_space_frees(h: &Harness) {
+    let s = h.s();
+    let leased = accept_new(s, "pay/leased", T0).await;
+    let finished = accept_new(s, "pay/finished", T0).await;
+    let mut claimed = claim_exactly(s, T0, &[&leased, &finished]).await;
+    claimed.sort_by_key(|c| c.message.id != leased);
+    let (lease, done) = (&claimed[0], &claimed[1]);
+    assert!(complete(s, done, Completion::Delivered, T0).await);
+    let history_before = get(s, &leased).await.history_total;
+    h.fill().await;
+
+    let mut refused = None;
+    for i in 0..100_000 {
+        let req = callback_request(
+            &format!("tx-{i}/PAID"),
+            &format!("tx-{i}"),
+            TTL_SECS,
+            Partitions::DEFAULT,
+            T0 + 1,
+        );
+        match s.accept(req.clone(), T0 + 1).await {
+            Ok(AcceptOutcome::Accepted) => {}
+            Err(StoreError::Full(_)) => {
+                refused = Some(req);
+                break;
+            }
+            other => panic!("accept into a filling store: {other:?}"),
+        }
+    }
+    let refused = refused.expect("a full store refuses an accept");
+    assert!(
+        matches!(s.ping().await, Err(StoreError::Full(_))),
+        "ping says the store is full"
+    );
+
+    let attempt = DeliveryAttempt {
+        response: Some(ReceiverAnswer {
+            body: "x".repeat(2_000),
+            ..delivery(1, T0 + 1_000, 500).response.unwrap()
+        }),
+        ..delivery(1, T0 + 1_000, 500)
+    };
+    let retry = Completion::Retry {
+        next_at: T0 + 2_000,
+    };
+    let completed = s.complete(lease, attempt, retry, T0 + 1_000).await;
+    let record = get(s, &leased).await;
+    match &completed {
+        Err(StoreError::Full(_)) => {
+            assert_eq!(
+                record.history_total, history_before,
+                "nothing of it recorded"
+            );
+            assert_eq!(record.state, MessageState::InFlight, "the lease is kept");
+        }
+        Ok(true) => {
+            assert!(!h.refuses_every_growing_write_when_full());
+            assert_eq!(record.history_total, history_before + 1, "recorded whole");
+        }
+        other => panic!("completing in a full store: {other:?}"),
+    }
+    if h.refuses_every_growing_write_when_full() {
+        assert!(
+            matches!(completed, Err(StoreError::Full(_))),
+            "an attempt is refused whole: {completed:?}"
+        );
+        let resent = s.resend(&finished, resend_mark(T0 + 2_000), T0 + DAY_MS, T0 + 2_000);
+        assert!(matches!(resent.await, Err(StoreError::Full(_))));
+    }
+
+    // What ended is still swept, which is what frees a full store.
+    h.sweep_all(T0 + RETENTION_SECS as Millis * 1000).await;
+    assert_eq!(s.get(&finished).await.unwrap(), None, "swept while full");
+
+    h.free_space().await;
+    assert!(s.ping().await.is_ok(), "no longer full");
+    assert_eq!(
+        s.accept(refused, T0 + 3_000).await.unwrap(),
+        AcceptOutcome::Accepted,
+        "the refused event's claim was never taken"
+    );
+    let lease = match completed {
+        Ok(_) => claim(s, T0 + 3_000, 100)
+            .await
+            .into_iter()
+            .find(|c| c.message.id == leased)
+            .expect("the retried message is due again"),
+        Err(_) => lease.clone(),
+    };
+    assert!(complete(s, &lease, Completion::Delivered, T0 + 3_000).await);
+    assert_eq!(get(s, &leased).await.state, MessageState::Delivered);
+}
 
 /// A callback's claim replays the first answer byte for byte, conflicts with a request that
 /// has a fingerprint, seals a new signature with that answer, and ends with the lifetime it
@@ -2753,7 +2930,7 @@ mod redis_only {
             assert!(pttl > 300 * DAY_MS, "{key} expires in {pttl} ms");
         }
         let h = Harness {
-            store: Box::new(store),
+            store: std::sync::Arc::new(store),
             backend: Backend::Redis(server),
         };
         the_upgraded_fixture_keeps_its_data(&h, dumped_at).await;
@@ -2791,7 +2968,7 @@ mod redis_only {
             }
         }
         let h = Harness {
-            store: Box::new(store),
+            store: std::sync::Arc::new(store),
             backend: Backend::Redis(server),
         };
         let s = h.s();
@@ -2974,7 +3151,7 @@ mod redis_only {
         );
         assert_eq!(server.cli(&["DBSIZE"]), before, "nothing rewritten");
         let h = Harness {
-            store: Box::new(store),
+            store: std::sync::Arc::new(store),
             backend: Backend::Redis(server),
         };
         let s = h.s();
@@ -3277,10 +3454,14 @@ mod sqlite_only {
                 .unwrap();
             MessageId::parse(&newest).unwrap().created_at()
         };
-        let store = SqliteStore::open(&path, RETENTION_SECS).unwrap();
+        let store = std::sync::Arc::new(SqliteStore::open(&path, RETENTION_SECS).unwrap());
         let h = Harness {
-            store: Box::new(store),
-            backend: Backend::Sqlite { _dir: dir, path },
+            store: store.clone(),
+            backend: Backend::Sqlite {
+                store,
+                _dir: dir,
+                path,
+            },
         };
         the_upgraded_fixture_keeps_its_data(&h, written_at + 5_000).await;
     }
@@ -3514,10 +3695,10 @@ mod sqlite_only {
         assert_eq!(c.attempts, 1);
     }
 
-    /// A full disk (here a page cap) fails the accept with `Unavailable` (a 503) and burns
-    /// nothing: once there is room, the same request is accepted.
+    /// A full disk (here a page cap) fails the accept with `Full` (a 503) and burns nothing:
+    /// once there is room, the same request is accepted.
     #[tokio::test]
-    async fn a_full_disk_is_unavailable_and_burns_no_key() {
+    async fn a_full_disk_is_full_and_burns_no_key() {
         let (_dir, path) = fresh();
         let s = SqliteStore::open_with(&path, RETENTION_SECS, SqliteOptions::default()).unwrap();
         accept_new(&s, "pay/0", T0).await;
@@ -3527,7 +3708,7 @@ mod sqlite_only {
         let mut big = request("k-big", new_message("pay/1", T0 + 1));
         big.message.body = format!(r#"{{"blob":"{}"}}"#, "x".repeat(64 * 1024));
         let err = s.accept(big.clone(), T0 + 1).await.unwrap_err();
-        assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+        assert!(matches!(err, StoreError::Full(_)), "{err:?}");
         assert_eq!(s.get(&big.message.id).await.unwrap(), None);
 
         s.set_max_page_count(1 << 30).await.unwrap();
@@ -3552,12 +3733,10 @@ mod sqlite_only {
         let s = SqliteStore::open_with(&path, RETENTION_SECS, options).unwrap();
         let mut big = request("k", new_message("pay/1", T0));
         big.message.body = "y".repeat(64 * 1024);
-        assert!(matches!(
-            s.accept(big, T0).await,
-            Err(StoreError::Unavailable(_))
-        ));
+        assert!(matches!(s.accept(big, T0).await, Err(StoreError::Full(_))));
         assert_eq!(s.depth().await.unwrap(), QueueDepth::default());
-        s.ping().await.unwrap();
+        // Reads still work; readiness says why writes do not.
+        assert!(matches!(s.ping().await, Err(StoreError::Full(_))));
     }
 
     #[tokio::test]

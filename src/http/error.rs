@@ -88,6 +88,8 @@ error_catalogue! {
         "The idempotency key was used before with a different body.";
     StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE, "store_unavailable",
         "The store cannot record durably right now; nothing was recorded; retry after `Retry-After`.";
+    StoreFull => StatusCode::SERVICE_UNAVAILABLE, "store_full",
+        "The store is out of memory or disk and refuses writes; nothing was recorded; retry after `Retry-After`.";
     ServerBusy => StatusCode::SERVICE_UNAVAILABLE, "server_busy",
         "Request bodies already fill `server.max_buffered_bytes`; nothing was recorded; retry after `Retry-After`.";
     ShuttingDown => StatusCode::SERVICE_UNAVAILABLE, "shutting_down",
@@ -150,6 +152,7 @@ impl ApiError {
             ApiError::InvalidTransition { .. } => ErrorCode::InvalidTransition,
             ApiError::IdempotencyMismatch => ErrorCode::IdempotencyKeyReused,
             ApiError::Conflict(_) => ErrorCode::InProgress,
+            ApiError::Unavailable(StoreError::Full(_)) => ErrorCode::StoreFull,
             ApiError::Unavailable(_) => ErrorCode::StoreUnavailable,
             ApiError::ShuttingDown => ErrorCode::ShuttingDown,
             ApiError::Busy => ErrorCode::ServerBusy,

@@ -18,10 +18,10 @@ pub async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-/// Readiness: not shutting down, and the store answers.
+/// Readiness: not shutting down, and the store answers and has room to write.
 #[utoipa::path(get, path = "/readyz", responses(
     (status = 200, description = "Store reachable", body = Object),
-    (status = 503, description = "Shutting down (`shutting_down`) or store unreachable (`store_unavailable`)", body = ErrorBody),
+    (status = 503, description = "Shutting down (`shutting_down`), store unreachable (`store_unavailable`) or out of memory or disk (`store_full`)", body = ErrorBody),
 ), tag = "ops")]
 pub async fn readyz(State(app): State<Arc<App>>) -> Result<Json<Value>, ApiError> {
     // Before the store: a draining process must leave the load balancer whatever its store says.

@@ -48,6 +48,13 @@ pub enum StoreError {
     /// (a paused Redis, a hung fsync), and then the retry finds it and is answered as a replay.
     #[error("store unavailable: {0}")]
     Unavailable(String),
+    /// The store is out of space (Redis at `maxmemory` with `noeviction`, SQLite at its size
+    /// cap or on a full disk) and refuses every write that would grow it, whole: nothing was
+    /// recorded. Deletions (the sweeper) still run, so it recovers as retention ends or an
+    /// operator frees space. A 503 like `Unavailable`, told apart so that `/readyz` and the
+    /// answer name the cause an operator must fix.
+    #[error("store full: {0}")]
+    Full(String),
     /// The store answered something this version does not understand (a bug or a foreign
     /// writer). Also mapped to 503 rather than risking a wrong 2xx.
     #[error("store data corrupt: {0}")]

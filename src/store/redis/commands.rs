@@ -24,6 +24,9 @@ pub(super) struct Scripts {
     release: LuaScript,
     resend: LuaScript,
     sweep: LuaScript,
+    /// Writes nothing, but is flagged as a script that may: Redis refuses it exactly when it
+    /// would refuse a growing write, so `ping` learns the store is full without writing.
+    pub(super) full_probe: LuaScript,
 }
 
 /// A script called by its hash, with its text at hand to load it on a server that lacks it.
@@ -40,6 +43,10 @@ impl LuaScript {
         }
     }
 
+    pub(super) fn source(&self) -> &'static str {
+        self.source
+    }
+
     pub(super) fn hash(&self) -> &str {
         self.script.get_hash()
     }
@@ -52,28 +59,33 @@ impl LuaScript {
     }
 }
 
+/// The first line of a script that grows memory. A script with this line is *flagged*: with
+/// no `allow-oom`, a Redis at `maxmemory` refuses it whole before it runs. A script without
+/// flags is checked only until its first write, and one that starts with a write Redis allows
+/// at OOM (`complete.lua`'s `ZREM`) would go on to grow memory past the limit.
+macro_rules! grows {
+    ($($part:literal),+ $(,)?) => { concat!("#!lua\n", $(include_str!($part)),+) };
+}
+
 impl Scripts {
     pub(super) fn new() -> Scripts {
         Scripts {
-            accept: LuaScript::new(concat!(
-                include_str!("lua/expiry.lua"),
-                include_str!("lua/accept.lua")
+            accept: LuaScript::new(grows!("lua/expiry.lua", "lua/accept.lua")),
+            claim: LuaScript::new(grows!("lua/claim.lua")),
+            complete: LuaScript::new(grows!(
+                "lua/history.lua",
+                "lua/expiry.lua",
+                "lua/complete.lua"
             )),
-            claim: LuaScript::new(include_str!("lua/claim.lua")),
-            complete: LuaScript::new(concat!(
-                include_str!("lua/history.lua"),
-                include_str!("lua/expiry.lua"),
-                include_str!("lua/complete.lua")
-            )),
-            release: LuaScript::new(include_str!("lua/release.lua")),
-            resend: LuaScript::new(concat!(
-                include_str!("lua/history.lua"),
-                include_str!("lua/resend.lua")
-            )),
+            release: LuaScript::new(grows!("lua/release.lua")),
+            resend: LuaScript::new(grows!("lua/history.lua", "lua/resend.lua")),
+            // Only deletes: it must run at OOM too, since it is what frees memory.
             sweep: LuaScript::new(concat!(
+                "#!lua flags=allow-oom\n",
                 include_str!("lua/expiry.lua"),
                 include_str!("lua/sweep.lua")
             )),
+            full_probe: LuaScript::new("#!lua\nreturn 1"),
         }
     }
 }

@@ -447,8 +447,16 @@ fn in_one_slot(keys: &[String]) -> bool {
     })
 }
 
+/// A failed call as the store's error: Redis' `OOM` refusal (at `maxmemory` with
+/// `noeviction`) is `Full`, anything else `Unavailable`. A pipeline's error keeps no code of
+/// its own, so the refusal is also known by its text.
 fn unavailable(e: redis::RedisError) -> StoreError {
-    StoreError::Unavailable(e.to_string())
+    let text = e.to_string();
+    if e.code() == Some("OOM") || text.contains("command not allowed when used memory") {
+        StoreError::Full(text)
+    } else {
+        StoreError::Unavailable(text)
+    }
 }
 
 fn corrupt(what: impl std::fmt::Display) -> StoreError {
@@ -581,7 +589,25 @@ impl Store for RedisStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.send::<String>(&redis::cmd("PING")).await.map(|_| ())
+        self.send::<String>(&redis::cmd("PING")).await?;
+        // A full Redis still answers PING. Each master has its own memory, so each is asked;
+        // one that cannot be reached now fails only its own partitions' writes, as before.
+        let mut probe = redis::cmd("EVAL");
+        probe.arg(self.scripts.full_probe.source()).arg(0);
+        let replies = self
+            .conn
+            .on_every_primary(&probe)
+            .await
+            .map_err(unavailable)?;
+        for (primary, reply) in replies {
+            if let Err(StoreError::Full(why)) = reply.map_err(unavailable) {
+                return Err(StoreError::Full(match primary.name() {
+                    Some(node) => format!("{node}: {why}"),
+                    None => why,
+                }));
+            }
+        }
+        Ok(())
     }
 
     fn partitions(&self) -> Partitions {

@@ -6,13 +6,14 @@ use rusqlite::ErrorCode;
 
 use crate::store::StoreError;
 
-/// Maps SQLite failures onto the store's: a damaged file is `Corrupt`, anything else (disk
-/// full, read-only file, I/O error, busy) is `Unavailable`. Both become a 503, never a 2xx.
+/// Maps SQLite failures onto the store's: a damaged file is `Corrupt`, a full disk (or the size
+/// cap) is `Full`, anything else (read-only file, I/O error, busy) is `Unavailable`. Each becomes a 503, never a 2xx.
 pub(super) fn db_error(e: rusqlite::Error) -> StoreError {
     match e.sqlite_error_code() {
         Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase) => {
             StoreError::Corrupt(e.to_string())
         }
+        Some(ErrorCode::DiskFull) => StoreError::Full(e.to_string()),
         Some(_) => StoreError::Unavailable(e.to_string()),
         None => match e {
             rusqlite::Error::FromSqlConversionFailure(..)
@@ -48,6 +49,7 @@ pub(super) fn context(path: &Path, e: StoreError) -> StoreError {
         StoreError::Corrupt(m) => {
             StoreError::Corrupt(format!("SQLite database {}: {m}", path.display()))
         }
+        StoreError::Full(m) => StoreError::Full(format!("SQLite database {}: {m}", path.display())),
         StoreError::Incompatible(m) => {
             StoreError::Incompatible(format!("SQLite database {}: {m}", path.display()))
         }

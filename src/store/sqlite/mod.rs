@@ -447,12 +447,24 @@ impl Store for SqliteStore {
 
     /// Goes through the writer: ready means commands are being committed, not merely that
     /// the file can be read.
+    /// Also fails with `Full` when the database is at its size cap (`max_page_count`) with no
+    /// free page left: its next growing write would be refused.
     async fn ping(&self) -> Result<(), StoreError> {
+        let path = self.path.clone();
         self.writer
-            .commit(None, |conn| {
-                conn.query_row("SELECT 1", [], |r| r.get::<_, i64>(0))
-                    .db()
-                    .map(|_| ())
+            .commit(None, move |conn| {
+                let pragma = |name: &str| {
+                    conn.query_row(&format!("PRAGMA {name}"), [], |r| r.get::<_, i64>(0))
+                        .db()
+                };
+                let (pages, cap) = (pragma("page_count")?, pragma("max_page_count")?);
+                if pages >= cap && pragma("freelist_count")? == 0 {
+                    return Err(StoreError::Full(format!(
+                        "SQLite database {}: at its cap of {cap} pages",
+                        path.display()
+                    )));
+                }
+                Ok(())
             })
             .await
     }
