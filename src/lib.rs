@@ -32,13 +32,14 @@ pub mod trace;
 pub mod webhook;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use app::App;
 use clock::Clock;
-use config::{Config, Settings, StoreLocation, StoreSettings};
+use config::{Config, ServerSettings, Settings, StoreLocation, StoreSettings};
 use dispatch::Dispatcher;
 use durability::Verdict;
 use store::redis::{RedisOptions, RedisStore};
@@ -122,11 +123,15 @@ fn start_or_refuse(verdict: Verdict, refused: fn(String) -> StartError) -> Resul
 pub async fn build(config: Config, clock: Arc<dyn Clock>) -> Result<Arc<App>, StartError> {
     let settings = Settings::from_config(&config).map_err(|e| StartError::Setup(e.to_string()))?;
     let store = open_store(&settings.store).await?;
+    Ok(app_on(settings, store, clock))
+}
+
+fn app_on(settings: Settings, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Arc<App> {
     tracing::info!(
         partitions = store.partitions().count(),
         "the store's partition count"
     );
-    Ok(Arc::new(App::with_settings(settings, store, clock)))
+    Arc::new(App::with_settings(settings, store, clock))
 }
 
 /// Serves HTTP on `listener` and runs the dispatcher (when `dispatch.enabled`) and the
@@ -174,21 +179,12 @@ pub async fn serve(
             http_shutdown.cancel();
         }
     });
-    let limits = http::server::Limits {
-        header_timeout: server.header_timeout,
-        // Longer than a slow body is given (`request_timeout_secs`), so that one still gets
-        // its JSON 408 rather than a closed connection.
-        idle_timeout: server.header_timeout.saturating_add(server.request_timeout),
-        max_connections: server.max_connections,
-        max_streams_per_connection: server.max_streams_per_connection,
-        grace,
-    };
     http::server::serve(
         listener,
         http::router(app.clone()),
         stop_accepting,
         http_shutdown,
-        limits,
+        limits(server),
     )
     .await;
     let _ = drain.await;
@@ -196,12 +192,80 @@ pub async fn serve(
     Ok(())
 }
 
-/// `build` + `serve` with the system clock: what `callbackd serve` runs.
+fn limits(server: &ServerSettings) -> http::server::Limits {
+    http::server::Limits {
+        header_timeout: server.header_timeout,
+        // Longer than a slow body is given (`request_timeout_secs`), so that one still gets
+        // its JSON 408 rather than a closed connection.
+        idle_timeout: server.header_timeout.saturating_add(server.request_timeout),
+        max_connections: server.max_connections,
+        max_streams_per_connection: server.max_streams_per_connection,
+        grace: server.shutdown_grace,
+    }
+}
+
+/// What `callbackd serve` runs: [`build`] and [`serve`] with the system clock, except that a
+/// store not reachable yet is waited for instead of ending the process. Under an orchestrator
+/// callbackd and its Redis start together, and a process that exits would only crash-loop
+/// until Redis is up. Meanwhile HTTP is served: `/healthz` 200, everything else 503. A
+/// configuration error, or a store that answers with a refusal (a wrong password, a TLS
+/// error, a layout it must not touch), still ends it at once with its message.
 pub async fn run(
     config: Config,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), StartError> {
-    let app = build(config, Arc::new(clock::SystemClock)).await?;
+    let settings = Settings::from_config(&config).map_err(|e| StartError::Setup(e.to_string()))?;
+    let stop_starting = CancellationToken::new();
+    let starting = http::server::serve(
+        &listener,
+        http::starting_router(),
+        stop_starting.clone(),
+        stop_starting.clone(),
+        limits(&settings.server),
+    );
+    let opening = async {
+        let opened = open_store_patiently(&settings.store, &shutdown).await;
+        stop_starting.cancel();
+        opened
+    };
+    let ((), opened) = tokio::join!(starting, opening);
+    let Some(store) = opened? else {
+        return Ok(());
+    };
+    let app = app_on(settings, store, Arc::new(clock::SystemClock));
     serve(app, listener, shutdown).await
+}
+
+/// [`open_store`], again with jittered backoff (0.25 s doubling to 5 s) while the store is
+/// `Unreachable`, each failure logged. `None` when shutdown comes first.
+async fn open_store_patiently(
+    settings: &StoreSettings,
+    shutdown: &CancellationToken,
+) -> Result<Option<Arc<dyn Store>>, StartError> {
+    let backoff = dispatch::schedule::Backoff {
+        initial_ms: 250,
+        max_ms: 5_000,
+    };
+    let mut step = 0;
+    loop {
+        let why = match open_store(settings).await {
+            Ok(store) => return Ok(Some(store)),
+            Err(StartError::Store(StoreError::Unreachable(why))) => why,
+            Err(refused) => return Err(refused),
+        };
+        let base = dispatch::schedule::base_delay_ms(backoff, step);
+        let delay = Duration::from_millis(base - rand::random_range(0..=base / 2));
+        tracing::warn!(
+            error = %why,
+            attempt = step + 1,
+            retry_in = ?delay,
+            "the store is not reachable; answering 503 until it is"
+        );
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            () = tokio::time::sleep(delay) => {}
+        }
+        step = step.saturating_add(1);
+    }
 }

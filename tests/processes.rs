@@ -278,3 +278,66 @@ async fn sigterm_hands_an_unfinished_lease_back() {
         "the abandoned attempt is not an attempt"
     );
 }
+
+/// `callbackd serve` started before its Redis (as an orchestrator starts both) does not exit:
+/// it is alive, not ready, and answers 503 until Redis comes up, then serves and delivers
+/// without a restart. A SIGTERM while it waits ends it cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_started_before_its_redis_waits_for_it() {
+    let port = support::redis::free_port();
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let sink = Sink::ok().await;
+    let mut waiting = Process::start(&url, "");
+    let client = support::client();
+    let base = &waiting.url;
+
+    let alive = client.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(alive.status(), 200);
+    for _ in 0..3 {
+        let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+        assert_eq!(ready.status(), 503);
+        assert_eq!(
+            ready.json::<Value>().await.unwrap()["error"],
+            "store_unavailable"
+        );
+        let refused = client
+            .post(format!("{base}/v1/notifications"))
+            .bearer_auth(CONNECTOR_TOKEN)
+            .json(&json!({"paymentId": "pay-1", "status": "approved", "callbackUrl": sink.url}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), 503);
+        assert_eq!(refused.headers()["retry-after"], "1");
+        // Several of its attempts to connect fail meanwhile (the first retry is after 0.25 s).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        waiting.child.try_wait().unwrap().is_none(),
+        "callbackd exited while its store was not up"
+    );
+
+    let _redis = RedisServer::try_start_on(port, "always", &[], false).expect("redis starts");
+    eventually(30, "ready once Redis is up", || async {
+        let ready = client.get(format!("{base}/readyz")).send().await.ok()?;
+        (ready.status() == 200).then_some(())
+    })
+    .await;
+    hand_off(&client, base, "pay-1", &sink.url).await;
+    eventually(30, "the notification delivered", || async {
+        (sink.count() == 1).then_some(())
+    })
+    .await;
+    waiting.stop(Duration::from_secs(10));
+
+    let mut stopped = Process::start(
+        &format!("redis://127.0.0.1:{}/0", support::redis::free_port()),
+        "",
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stopped.signal("TERM");
+    assert!(
+        stopped.exit_status(10).await.success(),
+        "a SIGTERM while waiting for the store is a clean stop"
+    );
+}

@@ -420,3 +420,49 @@ fn the_password_in_store_url_is_never_printed_or_logged() {
     );
     assert!(!logged.contains(wrong), "the password was logged: {logged}");
 }
+
+/// What `callbackd serve` waits for, a server that is not there yet, is `Unreachable`; what
+/// ends it at once, a refusal that waiting would not change (a TLS error, a wrong password),
+/// is not. (TLS to a port that speaks plain Redis gets no answer at all, like a silent server:
+/// that one is waited for, each attempt logged.)
+#[tokio::test]
+async fn only_a_server_that_is_not_there_is_unreachable() {
+    let nobody = format!("redis://127.0.0.1:{}/0", free_port());
+    let result = connect(&nobody, &RedisOptions::default()).await;
+    assert!(
+        matches!(result, Err(StoreError::Unreachable(_))),
+        "nothing listens: {:?}",
+        result.err()
+    );
+
+    let pki = Pki::new();
+    let (_server, port) = tls_server(&pki, true);
+    let acl = acl_server("callbackd", "pw-Right-1");
+    let refusals = [
+        (
+            "no client certificate",
+            connect(&rediss(port), &pki.options(false)).await,
+        ),
+        (
+            "a server certificate of another CA",
+            connect(&rediss(port), &Pki::new().options(false)).await,
+        ),
+        (
+            "a wrong password",
+            connect(
+                &format!("redis://callbackd:pw-Wrong-2@127.0.0.1:{}/0", acl.port),
+                &RedisOptions::default(),
+            )
+            .await,
+        ),
+    ];
+    for (what, result) in refusals {
+        match result {
+            Err(StoreError::Unreachable(why)) => {
+                panic!("{what} is taken for a server not up yet: {why}")
+            }
+            Err(_) => {}
+            Ok(_) => panic!("connected with {what}"),
+        }
+    }
+}

@@ -26,7 +26,7 @@ use axum::body::Body;
 use axum::extract::DefaultBodyLimit;
 use axum::handler::Handler;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, header};
-use axum::routing::{MethodFilter, MethodRouter, on};
+use axum::routing::{MethodFilter, MethodRouter, get, on};
 use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::request_id::{
@@ -36,6 +36,7 @@ use tower_http::trace::TraceLayer;
 
 use crate::app::App;
 use crate::http::error::{ApiError, ErrorCode};
+use crate::store::StoreError;
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -104,6 +105,19 @@ pub fn router(app: Arc<App>) -> Router {
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(SequentialRequestId::default()))
         .with_state(app)
+}
+
+/// What is served while `callbackd serve` waits for its store (`crate::run`): alive, not
+/// ready, and 503 `store_unavailable` for every other route, so senders retry.
+pub fn starting_router() -> Router {
+    let not_yet = || async {
+        ApiError::Unavailable(StoreError::Unreachable(
+            "callbackd is starting: its store is not reachable yet".into(),
+        ))
+    };
+    Router::new()
+        .route("/healthz", get(health::healthz))
+        .fallback(not_yet)
 }
 
 /// Request ids: a per-process random prefix and a counter, cheap and unique enough to follow

@@ -7,6 +7,7 @@
 //! connection slot, so idleness is judged by requests, not bytes, and such a connection is
 //! closed after the same limit as a silent one.
 
+use std::borrow::Borrow;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
@@ -46,12 +47,13 @@ pub struct Limits {
     pub grace: Duration,
 }
 
-/// Serves `router`. At `stop_accepting` the listener closes, so new connections are refused
-/// (a load balancer moves on), while open connections are still served: on them `/readyz`
+/// Serves `router`. At `stop_accepting` the listener closes (when given by value; a borrowed
+/// one is left open for its owner to serve on), so new connections are refused (a load
+/// balancer moves on), while open connections are still served: on them `/readyz`
 /// answers 503 and in-flight work completes. At `shutdown` open connections are asked to
 /// close and get `limits.grace` to finish their requests; those still open then are dropped.
 pub async fn serve(
-    listener: TcpListener,
+    listener: impl Borrow<TcpListener>,
     router: Router,
     stop_accepting: CancellationToken,
     shutdown: CancellationToken,
@@ -82,7 +84,7 @@ pub async fn serve(
         let stream = tokio::select! {
             _ = stop_accepting.cancelled() => break,
             _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
+            accepted = listener.borrow().accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.

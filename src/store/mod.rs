@@ -55,6 +55,13 @@ pub enum StoreError {
     /// answer name the cause an operator must fix.
     #[error("store full: {0}")]
     Full(String),
+    /// No connection to the store could be opened: refused, dropped, silent past
+    /// `store.timeout_ms`, or a server still loading its data. Only opening a store says this,
+    /// so that `serve` can wait for a store that is not up yet (a crash loop under an
+    /// orchestrator otherwise) while a store that answers with a refusal (a wrong password, a
+    /// TLS error) stops it at once.
+    #[error("store unreachable: {0}")]
+    Unreachable(String),
     /// The store answered something this version does not understand (a bug or a foreign
     /// writer). Also mapped to 503 rather than risking a wrong 2xx.
     #[error("store data corrupt: {0}")]

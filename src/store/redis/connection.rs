@@ -118,7 +118,7 @@ impl Connection {
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(1));
         let no_answer = || {
-            StoreError::Unavailable(format!(
+            StoreError::Unreachable(format!(
                 "no answer from {} within {timeout:?}",
                 redacted_url(url)
             ))
@@ -127,7 +127,7 @@ impl Connection {
             tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
                 .await
                 .map_err(|_| no_answer())?
-                .map_err(unavailable)?;
+                .map_err(not_connected)?;
         if !is_cluster_node(&mut single).await? {
             return Ok(Connection::Single(single));
         }
@@ -141,7 +141,7 @@ impl Connection {
         let conn = tokio::time::timeout(timeout, cluster.get_async_connection())
             .await
             .map_err(|_| no_answer())?
-            .map_err(unavailable)?;
+            .map_err(not_connected)?;
         Ok(Connection::Cluster(conn))
     }
 
@@ -232,7 +232,31 @@ async fn is_cluster_node(conn: &mut ConnectionManager) -> Result<bool, StoreErro
     match info {
         Ok(info) => Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1")),
         Err(e) if is_refusal(&e) => Ok(false),
-        Err(e) => Err(unavailable(e)),
+        Err(e) => Err(not_connected(e)),
+    }
+}
+
+/// A connection that could not be opened: `Unreachable` when the server is not there yet
+/// (refused, dropped, timed out, loading its data, a cluster not yet formed), else a refusal
+/// (wrong password, TLS) that waiting would not change.
+fn not_connected(e: redis::RedisError) -> StoreError {
+    use redis::{ErrorKind, ServerErrorKind};
+    let not_up_yet = e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                    | ServerErrorKind::ClusterDown
+                    | ServerErrorKind::TryAgain
+                    | ServerErrorKind::MasterDown
+            )
+        );
+    if not_up_yet {
+        StoreError::Unreachable(e.to_string())
+    } else {
+        unavailable(e)
     }
 }
 

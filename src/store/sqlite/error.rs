@@ -50,6 +50,9 @@ pub(super) fn context(path: &Path, e: StoreError) -> StoreError {
             StoreError::Corrupt(format!("SQLite database {}: {m}", path.display()))
         }
         StoreError::Full(m) => StoreError::Full(format!("SQLite database {}: {m}", path.display())),
+        StoreError::Unreachable(m) => {
+            StoreError::Unreachable(format!("SQLite database {}: {m}", path.display()))
+        }
         StoreError::Incompatible(m) => {
             StoreError::Incompatible(format!("SQLite database {}: {m}", path.display()))
         }
