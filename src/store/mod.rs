@@ -40,7 +40,7 @@ pub const HISTORY_TAIL: usize = 100;
 /// Expired keys or rows removed per partition and sweep call: a sweep never stalls writers.
 pub const SWEEP_LIMIT: usize = 1000;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The store cannot be reached, refused the write, or did not answer within
     /// `store.timeout_ms`: the caller answers 503 and the sender retries. A store that refused

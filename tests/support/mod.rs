@@ -1,6 +1,7 @@
 //! Test support: a private Redis, the server in-process on port 0, HTTP sinks on 127.0.0.1.
 #![allow(dead_code)]
 
+pub mod fault_proxy;
 pub mod process;
 pub mod redis;
 pub mod sink;

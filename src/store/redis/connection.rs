@@ -20,6 +20,8 @@
 //! Keyless commands inside a pipeline (`WAIT`, `TIME`, `MULTI`/`EXEC`) follow the pipeline's
 //! keyed commands to their master, so a `WAIT` always waits for the write it follows.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures_util::{StreamExt, stream};
@@ -29,7 +31,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo, SingleNodeRoutingInfo,
 };
-use redis::{Cmd, FromRedisValue, Pipeline, RedisResult, Value};
+use redis::{Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisResult, Value};
 
 use super::{RedisStore, RedisTls, decode, redacted_url, unavailable};
 use crate::store::StoreError;
@@ -42,10 +44,108 @@ const FAN_OUT: usize = 32;
 #[derive(Clone)]
 pub(super) enum Connection {
     /// One server (with whatever replicas it has): a reconnecting manager, so a Redis restart
-    /// costs the requests in flight at that moment (503, the sender retries), not the process.
-    Single(ConnectionManager),
+    /// costs the requests in flight at that moment (503, the sender retries), not the process;
+    /// replaced when it goes silent ([`Single`]).
+    Single(Single),
     /// A Redis Cluster: connections to every master, refreshed as slots move.
     Cluster(ClusterConnection),
+}
+
+/// The connection to one server, replaced once it stops answering. The redis crate's manager
+/// reconnects only after errors it deems fatal, and neither a response timeout nor a reply
+/// cut mid-frame is one: a flow that a partition or a NAT silently dropped (no FIN, no RST)
+/// would fail every call with a timeout until the kernel gave up on the socket, about 15
+/// minutes, and a cut reply fails every later call at once, for good. So such a failure opens
+/// a new connection beside it, one at a time however many calls timed out together, and calls go to
+/// the new one as soon as it answers. Keepalive and `TCP_USER_TIMEOUT` (`tcp_settings`) make
+/// the kernel notice a dead flow too, on connections with nothing in flight.
+#[derive(Clone)]
+pub(super) struct Single {
+    shared: Arc<SingleShared>,
+}
+
+struct SingleShared {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    timeout: Duration,
+    current: RwLock<ConnectionManager>,
+    replacing: AtomicBool,
+}
+
+impl Single {
+    fn connection(&self) -> ConnectionManager {
+        self.shared
+            .current
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// Sends one round trip; a failure of the connection itself starts its replacement.
+    async fn send<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
+        let reply = send(&mut self.connection(), request).await;
+        if let Err(e) = &reply
+            && is_broken_connection(e)
+        {
+            self.replace();
+        }
+        reply
+    }
+
+    fn replace(&self) {
+        if self.shared.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let opened = tokio::time::timeout(
+                shared.timeout,
+                ConnectionManager::new_with_config(shared.client.clone(), shared.config.clone()),
+            )
+            .await;
+            match opened {
+                Ok(Ok(fresh)) => {
+                    *shared
+                        .current
+                        .write()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = fresh;
+                    tracing::warn!(
+                        "the Redis connection gave no answer within store.timeout_ms: \
+                         replaced it with a new one"
+                    );
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot replace the silent Redis connection yet")
+                }
+                Err(_) => {
+                    tracing::warn!("cannot replace the silent Redis connection yet: no answer")
+                }
+            }
+            // A failed attempt is tried again at the next timeout.
+            shared.replacing.store(false, Ordering::Release);
+        });
+    }
+}
+
+/// Whether a failed call says the connection may be broken, not that the server refused the
+/// command: no answer in time, a reply that cannot be parsed (one cut mid-frame leaves the
+/// manager answering every later call with that parse error, never reconnecting), an I/O
+/// error.
+fn is_broken_connection(e: &redis::RedisError) -> bool {
+    e.is_timeout() || matches!(e.kind(), redis::ErrorKind::Parse | redis::ErrorKind::Io)
+}
+
+/// TCP settings of every store connection: keepalive probes after 10 s idle, every 5 s, and
+/// `TCP_USER_TIMEOUT` so that unacknowledged writes fail within `timeout` (at least 10 s),
+/// instead of the kernel's 15 minutes of retransmissions.
+fn tcp_settings(timeout: Duration) -> redis::io::tcp::TcpSettings {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(5))
+        .with_retries(3);
+    redis::io::tcp::TcpSettings::default()
+        .set_keepalive(keepalive)
+        .set_user_timeout(timeout.max(Duration::from_secs(10)))
 }
 
 /// One primary of the store: the server itself, or a master of the cluster by address.
@@ -107,9 +207,13 @@ impl Connection {
             }),
             root_cert: Some(tls.ca_pem.clone()),
         });
+        let info = url
+            .into_connection_info()
+            .map_err(unavailable)?
+            .set_tcp_settings(tcp_settings(timeout));
         let client = match certificates.clone() {
-            None => redis::Client::open(url),
-            Some(certificates) => redis::Client::build_with_tls(url, certificates),
+            None => redis::Client::open(info),
+            Some(certificates) => redis::Client::build_with_tls(info, certificates),
         }
         .map_err(unavailable)?;
         let config = ConnectionManagerConfig::new()
@@ -123,17 +227,28 @@ impl Connection {
                 redacted_url(url)
             ))
         };
-        let mut single =
-            tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
-                .await
-                .map_err(|_| no_answer())?
-                .map_err(not_connected)?;
+        let mut single = tokio::time::timeout(
+            timeout,
+            ConnectionManager::new_with_config(client.clone(), config.clone()),
+        )
+        .await
+        .map_err(|_| no_answer())?
+        .map_err(not_connected)?;
         if !is_cluster_node(&mut single).await? {
-            return Ok(Connection::Single(single));
+            return Ok(Connection::Single(Single {
+                shared: Arc::new(SingleShared {
+                    client,
+                    config,
+                    timeout,
+                    current: RwLock::new(single),
+                    replacing: AtomicBool::new(false),
+                }),
+            }));
         }
         let mut builder = ClusterClientBuilder::new([url])
             .connection_timeout(timeout)
-            .response_timeout(timeout);
+            .response_timeout(timeout)
+            .tcp_settings(tcp_settings(timeout));
         if let Some(certificates) = certificates {
             builder = builder.certs(certificates);
         }
@@ -148,7 +263,7 @@ impl Connection {
     /// Sends one round trip: on a cluster, to the master of its keys' slot.
     pub(super) async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
         match self {
-            Connection::Single(conn) => send(&mut conn.clone(), request).await,
+            Connection::Single(single) => single.send(request).await,
             Connection::Cluster(conn) => send(&mut conn.clone(), request).await,
         }
     }
@@ -164,8 +279,8 @@ impl Connection {
         cmd: &Cmd,
     ) -> RedisResult<Vec<(Primary, RedisResult<Value>)>> {
         let conn = match self {
-            Connection::Single(conn) => {
-                let reply = cmd.query_async(&mut conn.clone()).await;
+            Connection::Single(single) => {
+                let reply = single.send(cmd.into()).await;
                 return match reply {
                     Err(e) if !is_refusal(&e) => Err(e),
                     reply => Ok(vec![(Primary::Only, reply)]),
@@ -310,12 +425,7 @@ impl RedisStore {
             }
             let replies: Vec<Value> = match self.send_as(sent, &all).await {
                 Ok(replies) => replies,
-                Err(e) => {
-                    return pipes
-                        .iter()
-                        .map(|_| Err(StoreError::Unavailable(e.to_string())))
-                        .collect();
-                }
+                Err(e) => return pipes.iter().map(|_| Err(e.clone())).collect(),
             };
             let mut replies = replies.into_iter();
             return pipes
