@@ -89,6 +89,8 @@ pub fn router(app: Arc<App>) -> Router {
         .method_not_allowed_fallback(|| async {
             ApiError::MethodNotAllowed("this route does not take that method".into())
         })
+        // After the fallbacks, so 404s and 405s carry it too.
+        .layer(axum::middleware::map_response(no_sniff))
         // Bodies are read by `read_body`, which enforces `max_body_bytes` with a JSON 413.
         .layer(DefaultBodyLimit::disable())
         .layer(
@@ -104,6 +106,17 @@ pub fn router(app: Arc<App>) -> Router {
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(SequentialRequestId::default()))
         .with_state(app)
+}
+
+/// Every answer, errors included, is declared JSON or text: a browser that is handed one
+/// (an API URL opened in a tab, or loaded by another page) must not sniff it into HTML or a
+/// script.
+async fn no_sniff(mut response: axum::response::Response) -> axum::response::Response {
+    response.headers_mut().insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    response
 }
 
 /// Request ids: a per-process random prefix and a counter, cheap and unique enough to follow
