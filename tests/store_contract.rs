@@ -231,6 +231,7 @@ contract!(
     list_pages_stay_consistent_while_messages_arrive,
     list_filters_by_state_source_key_and_window,
     list_with_a_sparse_filter_loses_nothing,
+    list_by_several_ordering_keys_merges_them_in_id_order,
     history_rows_are_kept_in_order,
     depth_counts_pending_in_flight_and_dead,
     operations_are_reserved_then_finished,
@@ -742,7 +743,7 @@ async fn racing_transitions_of_one_payment_have_one_winner(h: &Harness) {
         let listed = list_all(
             s,
             ListFilter {
-                ordering_key: Some(key),
+                ordering_keys: Some(vec![key]),
                 limit: 10,
                 ..Default::default()
             },
@@ -847,7 +848,7 @@ async fn concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike(h: &
     let listed = list_all(
         s,
         ListFilter {
-            ordering_key: Some("o-same-racing".into()),
+            ordering_keys: Some(vec!["o-same-racing".into()]),
             limit: 100,
             ..Default::default()
         },
@@ -898,7 +899,7 @@ async fn check_payment_sequence(s: &dyn Store, payment_id: &str, requests: &[Acc
     let listed = list_all(
         s,
         ListFilter {
-            ordering_key: Some(payment::ordering_key(payment_id)),
+            ordering_keys: Some(vec![payment::ordering_key(payment_id)]),
             limit: 10,
             ..Default::default()
         },
@@ -1520,7 +1521,7 @@ async fn list_filters_by_state_source_key_and_window(h: &Harness) {
     assert!(done.iter().all(|r| r.state == MessageState::Delivered));
 
     let key = by(ListFilter {
-        ordering_key: Some("src/payzu/tx1".into()),
+        ordering_keys: Some(vec!["src/payzu/tx1".into()]),
         ..Default::default()
     })
     .await;
@@ -1529,7 +1530,7 @@ async fn list_filters_by_state_source_key_and_window(h: &Harness) {
 
     // Key and state together.
     let key_done = by(ListFilter {
-        ordering_key: Some(delivered.message.ordering_key.clone()),
+        ordering_keys: Some(vec![delivered.message.ordering_key.clone()]),
         state: Some(MessageState::Delivered),
         ..Default::default()
     })
@@ -1584,6 +1585,61 @@ async fn list_with_a_sparse_filter_loses_nothing(h: &Harness) {
         .await;
         assert_eq!(ids(&listed), wanted, "limit {limit}");
     }
+}
+
+/// One transaction id in several sources (issue 22, item 8): a filter with several ordering
+/// keys lists the messages of any of them, merged in id order across partitions and pages,
+/// and combines with the other filters; an empty list selects nothing.
+async fn list_by_several_ordering_keys_merges_them_in_id_order(h: &Harness) {
+    let s = h.s();
+    let mut wanted = Vec::new();
+    for i in 0..12 {
+        let now = T0 + i * 1_000;
+        let source = ["a", "b", "c"][i as usize % 3];
+        let tx = if i % 4 == 3 { "tx-other" } else { "tx-1" };
+        let id = accept(s, inbound(source, tx, now), now).await;
+        if tx == "tx-1" {
+            wanted.push(id);
+        }
+    }
+    let keys: Vec<String> = ["a", "b", "c", "nobody"]
+        .iter()
+        .map(|source| format!("src/{source}/tx-1"))
+        .collect();
+    for limit in [1, 2, 5, 100] {
+        let listed = list_all(
+            s,
+            ListFilter {
+                ordering_keys: Some(keys.clone()),
+                limit,
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(ids(&listed), wanted, "limit {limit}");
+    }
+    let in_b = list_all(
+        s,
+        ListFilter {
+            ordering_keys: Some(keys.clone()),
+            source: Some("b".into()),
+            limit: 2,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(!in_b.is_empty());
+    assert!(in_b.iter().all(|r| r.message.ordering_key == "src/b/tx-1"));
+    let none = list_all(
+        s,
+        ListFilter {
+            ordering_keys: Some(Vec::new()),
+            limit: 5,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(none.is_empty(), "{none:?}");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -376,8 +376,9 @@ pub struct MessageRecord {
 pub struct ListFilter {
     pub state: Option<MessageState>,
     pub source: Option<String>,
-    /// Exact ordering key (payment or source-scoped transaction).
-    pub ordering_key: Option<String>,
+    /// Exact ordering keys (a payment's, or a transaction's in one or several sources): a
+    /// message with any of them. An empty list selects nothing.
+    pub ordering_keys: Option<Vec<String>>,
     pub created_from: Option<Millis>,
     pub created_to: Option<Millis>,
     /// Return ids strictly greater than this one (ascending id = acceptance order).
@@ -560,9 +561,9 @@ pub fn matches_filter(record: &MessageRecord, filter: &ListFilter) -> bool {
             .as_ref()
             .is_none_or(|s| m.source.as_ref() == Some(s))
         && filter
-            .ordering_key
+            .ordering_keys
             .as_ref()
-            .is_none_or(|k| *k == m.ordering_key)
+            .is_none_or(|keys| keys.contains(&m.ordering_key))
         && filter.created_from.is_none_or(|f| m.created_at >= f)
         && filter.created_to.is_none_or(|t| m.created_at <= t)
 }
