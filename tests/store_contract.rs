@@ -241,6 +241,7 @@ contract!(
     payment_state_outlives_its_dedupe_claims_then_ends_with_its_own_retention,
     an_expired_claim_is_a_new_event,
     a_signature_is_single_use_while_it_could_verify,
+    a_seal_ends_with_its_claim_at_the_latest,
     history_keeps_the_first_and_the_latest_rows_and_counts_every_row,
     list_pages_carry_counts_but_no_histories,
     everything_of_a_finished_message_is_swept_after_the_retention,
@@ -279,8 +280,8 @@ async fn a_callback_claim_answers_with_its_derived_id(h: &Harness) {
         s.accept(fingerprinted, day).await.unwrap(),
         AcceptOutcome::Conflict
     );
-    // A new signature of the repeat is sealed with the first answer, which the signature then
-    // gets under any claim key.
+    // A new signature of the repeat is sealed with the first answer (rebuilt from the compact
+    // claim on Redis), which the signature then gets under this claim key only.
     let seal = SignatureSeal {
         key: "seal/tx-c".into(),
         expires_at: T0 + 40 * DAY_MS,
@@ -289,12 +290,16 @@ async fn a_callback_claim_answers_with_its_derived_id(h: &Harness) {
         seal: Some(seal.clone()),
         ..repeat
     };
-    assert_eq!(s.accept(resigned, day).await.unwrap(), replayed);
+    assert_eq!(s.accept(resigned.clone(), day).await.unwrap(), replayed);
+    assert_eq!(s.accept(resigned, day + 1).await.unwrap(), replayed);
     let other_claim = AcceptRequest {
         seal: Some(seal),
         ..callback_request("cb/tx-c-other", "tx-c", TTL_SECS, p, day + 1)
     };
-    assert_eq!(s.accept(other_claim, day + 1).await.unwrap(), replayed);
+    assert_eq!(
+        s.accept(other_claim, day + 1).await.unwrap(),
+        AcceptOutcome::SignatureReused
+    );
 
     // It ends with its lifetime: then the callback is a new event with an id of its own.
     let end = T0 + TTL_SECS as Millis * 1000;
@@ -1916,39 +1921,103 @@ async fn a_signature_is_single_use_while_it_could_verify(h: &Harness) {
         s.accept(first.clone(), T0).await.unwrap(),
         AcceptOutcome::Accepted
     );
-    // The same signature with another unsigned event header: another dedupe key, yet the
-    // first answer, and nothing new recorded.
+    let answer = AcceptOutcome::Replayed {
+        response: first.dedupe.response.clone(),
+    };
+    // The same signature with the same dedupe key: a replay of the first answer.
+    let again = sealed("tx-1/COMPLETED", "sig-1", valid_until, T0 + 500);
+    let again_id = again.message.id.clone();
+    assert_eq!(s.accept(again, T0 + 500).await.unwrap(), answer);
+    assert_eq!(s.get(&again_id).await.unwrap(), None);
+    // The same signature with another unsigned event header, so another dedupe key: refused
+    // (issue 22, item 9), with nothing recorded and no key claimed.
     let reposted = sealed("tx-1/REFUNDED", "sig-1", valid_until, T0 + 1_000);
     let reposted_id = reposted.message.id.clone();
     assert_eq!(
         s.accept(reposted, T0 + 1_000).await.unwrap(),
-        AcceptOutcome::Replayed {
-            response: first.dedupe.response.clone()
-        }
+        AcceptOutcome::SignatureReused
     );
     assert_eq!(s.get(&reposted_id).await.unwrap(), None);
-    // A provider retry of the same event with a fresh signature is a replay, and seals that
-    // signature to the same answer.
-    let retry = sealed("tx-1/COMPLETED", "sig-2", valid_until, T0 + 2_000);
     assert_eq!(
-        s.accept(retry, T0 + 2_000).await.unwrap(),
-        AcceptOutcome::Replayed {
-            response: first.dedupe.response.clone()
-        }
+        s.depth().await.unwrap().pending,
+        1,
+        "only the first event is queued"
     );
-    let again = sealed("tx-1/REFUNDED", "sig-2", valid_until, T0 + 3_000);
+    // The provider's real second event, signed again, claims that key as its own.
+    let refund = sealed("tx-1/REFUNDED", "sig-refund", valid_until, T0 + 1_500);
+    let refund_answer = AcceptOutcome::Replayed {
+        response: refund.dedupe.response.clone(),
+    };
     assert_eq!(
-        s.accept(again, T0 + 3_000).await.unwrap(),
-        AcceptOutcome::Replayed {
-            response: first.dedupe.response.clone()
-        }
-    );
-    // Once the signature could no longer verify, the seal is gone: a new signature on the
-    // other event is that event.
-    let later = sealed("tx-1/REFUNDED", "sig-3", valid_until + 600_000, valid_until);
-    assert_eq!(
-        s.accept(later, valid_until).await.unwrap(),
+        s.accept(refund.clone(), T0 + 1_500).await.unwrap(),
         AcceptOutcome::Accepted
+    );
+    // A provider retry of the first event with a fresh signature is a replay, and seals that
+    // signature to the same answer: under the other, live, claim it is refused too.
+    let retry = sealed("tx-1/COMPLETED", "sig-2", valid_until, T0 + 2_000);
+    assert_eq!(s.accept(retry, T0 + 2_000).await.unwrap(), answer);
+    let elsewhere = sealed("tx-1/REFUNDED", "sig-2", valid_until, T0 + 3_000);
+    assert_eq!(
+        s.accept(elsewhere, T0 + 3_000).await.unwrap(),
+        AcceptOutcome::SignatureReused
+    );
+    let refund_again = sealed("tx-1/REFUNDED", "sig-refund", valid_until, T0 + 3_500);
+    assert_eq!(
+        s.accept(refund_again, T0 + 3_500).await.unwrap(),
+        refund_answer
+    );
+    assert_eq!(s.depth().await.unwrap().pending, 2);
+    // Once the signature could no longer verify, the seal is gone: a new signature on
+    // another event is that event.
+    let later = sealed(
+        "tx-1/CHARGEBACK",
+        "sig-3",
+        valid_until + 600_000,
+        valid_until,
+    );
+    assert_eq!(
+        s.accept(later.clone(), valid_until).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let sig1_later = sealed("tx-1/OTHER", "sig-1", valid_until + 600_000, valid_until);
+    assert_eq!(
+        s.accept(sig1_later, valid_until).await.unwrap(),
+        AcceptOutcome::Accepted,
+        "sig-1's seal ended at its time"
+    );
+}
+
+/// A seal never outlives the claim it is sealed to: a signature that would verify longer
+/// (`hmac-sha256` has no timestamp), sealed by a replay near the claim's end, ends with it,
+/// so a live seal's claim is always live.
+async fn a_seal_ends_with_its_claim_at_the_latest(h: &Harness) {
+    let s = h.s();
+    let first = request("tx-1/COMPLETED", inbound("payzu", "tx-1", T0));
+    let first_answer = first.dedupe.response.clone();
+    assert_eq!(s.accept(first, T0).await.unwrap(), AcceptOutcome::Accepted);
+    let claim_ends = T0 + TTL_SECS as Millis * 1000;
+    let replayed_at = claim_ends - DAY_MS;
+    let forever = claim_ends + 30 * DAY_MS;
+    let resigned = sealed("tx-1/COMPLETED", "sig-1", forever, replayed_at);
+    assert_eq!(
+        s.accept(resigned, replayed_at).await.unwrap(),
+        AcceptOutcome::Replayed {
+            response: first_answer
+        }
+    );
+    // Past the claim's end the same bytes are a new event (as for a signature first accepted
+    // then), before and after a sweep.
+    let after = sealed("tx-1/COMPLETED", "sig-1", forever, claim_ends);
+    assert_eq!(
+        s.accept(after, claim_ends).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    h.sweep_all(claim_ends + DAY_MS).await;
+    let swept = sealed("tx-1/OTHER", "sig-1", forever, claim_ends + DAY_MS);
+    assert_eq!(
+        s.accept(swept, claim_ends + DAY_MS).await.unwrap(),
+        AcceptOutcome::SignatureReused,
+        "the new event's seal is live, and this is another key"
     );
 }
 
@@ -2594,20 +2663,29 @@ async fn the_release_fixture_goes_on(s: &dyn Store, v: &str) {
             .as_deref(),
         Some("settled")
     );
-    // The seal answers the same signature under any other claim key (of the same
-    // transaction: on Redis a seal lives in its transaction's partition).
-    let resigned = AcceptRequest {
+    // The seal the older release wrote (its first answer) still answers the same signature
+    // under its own claim key, and refuses it under any other (of the same transaction: on
+    // Redis a seal lives in its transaction's partition).
+    let resigned = |claim_key: &str| AcceptRequest {
         seal: Some(SignatureSeal {
             key: format!("seal/{v}"),
             expires_at: T0 + 300_000,
         }),
-        ..request("another/claim", inbound("payzu", &format!("tx-{v}"), now))
+        ..request(claim_key, inbound("payzu", &format!("tx-{v}"), now))
     };
     assert_eq!(
-        s.accept(in_store(resigned), now).await.unwrap(),
+        s.accept(in_store(resigned(&format!("claim/src/payzu/tx-{v}"))), now)
+            .await
+            .unwrap(),
         AcceptOutcome::Replayed {
             response: answer(&recorded.message.id)
         }
+    );
+    assert_eq!(
+        s.accept(in_store(resigned("another/claim")), now)
+            .await
+            .unwrap(),
+        AcceptOutcome::SignatureReused
     );
     for (key, fingerprint, found) in [
         (

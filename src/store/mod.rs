@@ -164,13 +164,17 @@ pub struct PaymentTransition {
 }
 
 /// A verified provider signature, single-use while its timestamp is inside the tolerance
-/// window: the same signature again gets the first answer, whatever its unsigned headers say
-/// (a captured request re-posted with another `X-Callback-Event` is not a new event).
+/// window. The seal keeps the answer of the claim the signature was accepted under: the same
+/// signature with the same dedupe key is a replay of it; with another dedupe key (the same
+/// signed bytes under another unsigned `X-Callback-Event`) it is
+/// [`AcceptOutcome::SignatureReused`], so a captured request is not a new event, while a
+/// provider's real second event, signed again, gets through.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SignatureSeal {
     /// Hash of the source and the signature bytes; in the partition of the message.
     pub key: String,
-    /// Until when the signature could still be accepted, so until when it is remembered.
+    /// Until when the signature could still be accepted, so until when it is remembered (at
+    /// most as long as the claim it is sealed to).
     pub expires_at: Millis,
 }
 
@@ -193,6 +197,9 @@ pub enum AcceptOutcome {
     Conflict,
     /// The payment is in `from`, which does not allow the transition. Nothing was recorded.
     InvalidTransition { from: String },
+    /// The request's signature is sealed to another dedupe key's answer. Nothing was
+    /// recorded and no key claimed.
+    SignatureReused,
 }
 
 /// One row of a message's history as it is stored: a delivery attempt or an operator's
