@@ -50,6 +50,14 @@ level = "warn"
 signature = "none"
 forward_url = "http://127.0.0.1:9/events"
 allow_private_forward_url = true
+# Three sources, as a deployment with several providers has: a `transactionId` without
+# `source` then names the transaction in every one of them.
+[sources.second]
+signature = "none"
+forward_url = "http://127.0.0.1:9/events"
+allow_private_forward_url = true
+[sources.third]
+signature = "none"
 TOML
 
 "$bin" serve --config "$work/config.toml" >"$work/callbackd.log" 2>&1 &
@@ -64,11 +72,13 @@ curl -fsS "$base/healthz" >/dev/null || {
   exit 1
 }
 
-# Seed a provider event and two payments' notifications, so that lookups find messages
+# Seed one transaction's events in every source and two payments' notifications, so that lookups find messages
 # (the document's links lead the fuzzer from these answers to the operations taking ids).
 seed() { curl -fsS -o /dev/null "$@"; }
-seed -X POST "$base/v1/callbacks/open" -H 'Content-Type: application/json' \
-  -d '{"id":"tx-seed-1","status":"COMPLETED"}'
+for source in open second third; do
+  seed -X POST "$base/v1/callbacks/$source" -H 'Content-Type: application/json' \
+    -d '{"id":"tx-seed-1","status":"COMPLETED"}'
+done
 for p in pay-seed-1 pay-seed-2; do
   seed -X POST "$base/v1/notifications" -H "Authorization: Bearer $ST_CONNECTOR_TOKEN" \
     -H 'Content-Type: application/json' \

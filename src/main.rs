@@ -68,7 +68,7 @@ struct Selection {
     /// Payment id (connector notifications)
     #[arg(long)]
     payment_id: Option<String>,
-    /// Provider transaction id (with --source when several sources are configured)
+    /// Provider transaction id (its events in --source, or in every source)
     #[arg(long)]
     transaction_id: Option<String>,
     /// Created at or after: RFC 3339 with an offset, e.g. 2026-11-30T00:00:00-03:00

@@ -72,6 +72,7 @@ pub const CALLBACK_OUTCOMES: &[&str] = &[
     "unavailable",
     "busy",
     "unknown_source",
+    "signature_reused",
 ];
 pub const NOTIFICATION_OUTCOMES: &[&str] = &[
     "accepted",
@@ -211,6 +212,7 @@ pub fn callback_outcome(result: Result<bool, ErrorCode>) -> &'static str {
         Err(ErrorCode::StoreUnavailable) => "unavailable",
         Err(ErrorCode::ServerBusy) => "busy",
         Err(ErrorCode::UnknownSource) => "unknown_source",
+        Err(ErrorCode::SignatureReused) => "signature_reused",
         Err(_) => "bad_request",
     }
 }

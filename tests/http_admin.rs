@@ -522,6 +522,219 @@ async fn a_request_id_reused_with_another_selection_is_422() {
     assert_eq!(marks_of(store, &a, "op-reuse").await, 1);
 }
 
+/// Issue 22, item 5: a resend `requestId` follows the rule of `Idempotency-Key` (1 to 256
+/// visible ASCII characters, as the document says); anything else is a 400 naming it, and
+/// changes nothing in the store.
+#[tokio::test]
+async fn a_resend_request_id_is_bounded_like_an_idempotency_key() {
+    let redis = RedisServer::start();
+    let (server, _clock, _d) = virtual_server(&redis.url(), |_| {}).await;
+    let sink = Sink::ok().await;
+    let id = server
+        .hand_off_id(&handoff("rid-1", "approved", &format!("{}/cb", sink.url)))
+        .await;
+    let store = &*server.app.store;
+    let parsed = callbackd::store::MessageId::parse(&id).unwrap();
+    let before = store.get(&parsed).await.unwrap().expect("the message");
+
+    let spec: Value = server
+        .admin_get("/openapi.json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let documented = &spec["components"]["schemas"]["ResendRequest"]["properties"]["requestId"];
+    assert_eq!(
+        (&documented["minLength"], &documented["maxLength"]),
+        (&json!(1), &json!(256)),
+        "{documented}"
+    );
+    let pattern = documented["pattern"].as_str().expect("a pattern");
+    assert_eq!(pattern, callbackd::http::openapi::HEADER_TEXT);
+
+    let megabyte = "r".repeat(1_000_000);
+    for (what, request_id) in [
+        ("1 MB", megabyte.as_str()),
+        ("empty", ""),
+        ("257 characters", &"r".repeat(257)),
+        ("a space at an end", " op-1"),
+        ("not ASCII", "op-\u{e9}"),
+        ("a control character", "op\t1"),
+    ] {
+        for dry_run in [false, true] {
+            let r = server
+                .admin_post(
+                    "/v1/admin/resend",
+                    &json!({"messageIds": [id], "requestId": request_id, "dryRun": dry_run}),
+                )
+                .await;
+            assert_eq!(r.status(), 400, "{what}");
+            let error: Value = r.json().await.unwrap();
+            assert_eq!(error["error"], "invalid_request", "{what}: {error}");
+            let message = error["message"].as_str().unwrap();
+            assert!(
+                message.contains("`requestId`") && message.contains("1 to 256"),
+                "{what}: {message}"
+            );
+            assert!(message.len() < 200, "the answer does not echo it back");
+        }
+    }
+    assert_eq!(
+        store.get(&parsed).await.unwrap().as_ref(),
+        Some(&before),
+        "nothing was resent or marked"
+    );
+
+    let longest = "r".repeat(256);
+    let r = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [id], "requestId": longest}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["resent"], 1);
+    assert_eq!(marks_of(store, &id, &longest).await, 1);
+    let inner_space = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"messageIds": [id], "requestId": "replay 2026-11-30"}),
+        )
+        .await;
+    assert_eq!(inner_space.status(), 200, "inner spaces are visible text");
+}
+
+/// Issue 22, item 8: with three sources configured, `transactionId` without `source` finds
+/// the transaction's events in every source (listing and resend alike), `source` narrows it
+/// to one, and an empty `transactionId` is a 400 naming it, as the document says.
+#[tokio::test]
+async fn a_transaction_id_without_source_searches_every_source() {
+    let redis = RedisServer::start();
+    // Forwarded (to a sink the test never delivers to), so that they can be resent.
+    let sink = Sink::ok().await;
+    let (server, _clock, _d) = virtual_server(&redis.url(), |c| {
+        for source in c.sources.values_mut() {
+            source.forward_url = Some(format!("{}/events", sink.url));
+        }
+        let open = c.sources["open"].clone();
+        c.sources.insert("third".into(), open);
+    })
+    .await;
+    assert_eq!(server.app.settings.sources.len(), 3);
+    let post = |source: &'static str, id: &'static str, status: &'static str| {
+        let body = json!({"id": id, "status": status}).to_string();
+        let server = &server;
+        async move {
+            let r = if source == "payzu" {
+                server.post_callback(source, &body, None).await
+            } else {
+                server.post_signed(source, &body, "-", None).await
+            };
+            assert_eq!(r.status(), 200, "{source}");
+            let answer: Value = r.json().await.unwrap();
+            answer["messageId"].as_str().unwrap().to_string()
+        }
+    };
+    let mut shared = vec![
+        post("payzu", "tx-shared", "PAID").await,
+        post("open", "tx-shared", "PAID").await,
+        post("third", "tx-shared", "PAID").await,
+        post("open", "tx-shared", "REFUNDED").await,
+    ];
+    post("third", "tx-elsewhere", "PAID").await;
+    shared.sort();
+
+    let listed = |path: String| {
+        let server = &server;
+        async move {
+            let r = server.admin_get(&path).await;
+            assert_eq!(r.status(), 200, "{path}");
+            let page: Value = r.json().await.unwrap();
+            let ids: Vec<String> = page["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_string())
+                .collect();
+            (ids, page["nextCursor"].as_str().map(str::to_string))
+        }
+    };
+    let (all, next) = listed("/v1/messages?transactionId=tx-shared".into()).await;
+    assert_eq!(all, shared, "every source's events, oldest first");
+    assert_eq!(next, None);
+    // Paged two at a time, across the sources.
+    let (first, next) = listed("/v1/messages?transactionId=tx-shared&limit=2".into()).await;
+    let next = next.expect("a second page");
+    let (second, _) = listed(format!(
+        "/v1/messages?transactionId=tx-shared&limit=2&cursor={next}"
+    ))
+    .await;
+    assert_eq!([first, second].concat(), shared);
+    let (open, _) = listed("/v1/messages?transactionId=tx-shared&source=open".into()).await;
+    assert_eq!(open.len(), 2, "`source` narrows it to one source");
+
+    let dry: Value = server
+        .admin_post(
+            "/v1/admin/resend",
+            &json!({"transactionId": "tx-shared", "dryRun": true}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(dry["wouldResend"], 4, "{dry}");
+    let resent: Value = server
+        .admin_post("/v1/admin/resend", &json!({"transactionId": "tx-shared"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(resent["resent"], 4, "{resent}");
+
+    let spec: Value = server
+        .admin_get("/openapi.json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let param = spec["paths"]["/v1/messages"]["get"]["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "transactionId")
+        .unwrap()
+        .clone();
+    assert_eq!(param["schema"]["minLength"], 1, "{param}");
+    assert_eq!(
+        spec["components"]["schemas"]["ResendRequest"]["properties"]["transactionId"]["minLength"],
+        1
+    );
+    let empty = server.admin_get("/v1/messages?transactionId=").await;
+    assert_eq!(empty.status(), 400);
+    let error: Value = empty.json().await.unwrap();
+    assert_eq!(error["error"], "invalid_query");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("`transactionId`"),
+        "{error}"
+    );
+    let empty = server
+        .admin_post("/v1/admin/resend", &json!({"transactionId": ""}))
+        .await;
+    assert_eq!(empty.status(), 400);
+    let error: Value = empty.json().await.unwrap();
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("`transactionId`"),
+        "{error}"
+    );
+}
+
 #[tokio::test]
 async fn a_client_that_hangs_up_does_not_leave_its_resend_half_done() {
     let redis = RedisServer::start();

@@ -40,12 +40,21 @@ async fn first_arrival_then_byte_identical_replay() {
     assert_eq!(message_keys(&redis), 2);
 }
 
+fn dedupe_keys(redis: &RedisServer) -> usize {
+    let keys = redis.cli(&["--scan", "--pattern", "cb:*:d:*"]);
+    keys.lines().filter(|l| !l.is_empty()).count()
+}
+
 /// PayZu signs `t.body`, not `X-Callback-Event`: a captured request re-posted within its
-/// tolerance with another event header (or none) must not become a new event.
+/// tolerance with another event header (or none) must not become a new event, nor swallow
+/// the provider's real second event (issue 22, item 9): it is a 409 `signature_reused` that
+/// records nothing, a repeat with the same event is still a replay, and the provider's
+/// retry, signed again, is accepted.
 #[tokio::test]
-async fn a_signature_re_posted_with_other_unsigned_headers_is_a_replay() {
+async fn a_signature_re_posted_with_another_event_is_refused_and_records_nothing() {
     let redis = RedisServer::start();
-    let server = TestServer::start(config(&redis.url(), None)).await;
+    let clock = support::manual_clock();
+    let server = TestServer::start_with_clock(config(&redis.url(), None), clock.clone()).await;
     let captured = sign_payzu(
         support::PAYZU_SECRET.as_bytes(),
         server.app.clock.now_secs(),
@@ -57,23 +66,68 @@ async fn a_signature_re_posted_with_other_unsigned_headers_is_a_replay() {
     assert_eq!(first.status(), 200);
     assert!(first.headers().get("idempotent-replayed").is_none());
     let first_body = first.bytes().await.unwrap();
+    assert_eq!((message_keys(&redis), dedupe_keys(&redis)), (1, 1));
+
+    let again = server
+        .post_signed("payzu", BODY, &captured, Some("TRANSACTION_PAID"))
+        .await;
+    assert_eq!(again.status(), 200, "the same event is a replay");
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.bytes().await.unwrap(), first_body);
+
     for event in [
         Some("TRANSACTION_REFUNDED"),
         Some("INFRACTION_CHANGED"),
         None,
     ] {
-        let again = server.post_signed("payzu", BODY, &captured, event).await;
-        assert_eq!(again.status(), 200, "{event:?}");
-        assert_eq!(again.headers()["idempotent-replayed"], "true", "{event:?}");
-        assert_eq!(again.bytes().await.unwrap(), first_body, "{event:?}");
+        let reused = server.post_signed("payzu", BODY, &captured, event).await;
+        assert_eq!(reused.status(), 409, "{event:?}");
+        assert!(reused.headers().get("idempotent-replayed").is_none());
+        let error: serde_json::Value = reused.json().await.unwrap();
+        assert_eq!(error["error"], "signature_reused", "{event:?}: {error}");
     }
-    assert_eq!(message_keys(&redis), 1, "no new event was recorded");
+    assert_eq!(
+        (message_keys(&redis), dedupe_keys(&redis)),
+        (1, 1),
+        "no event recorded, no dedupe key claimed"
+    );
+    let metrics = server
+        .client
+        .get(format!("{}/metrics", server.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("callbackd_callbacks_total")
+                && l.contains(r#"outcome="signature_reused""#)),
+        "{metrics}"
+    );
 
-    // The provider's own retry signs again (a new timestamp): still a replay of the event,
-    // and a genuinely new event with its own signature is accepted.
-    let refund = BODY.replace("COMPLETED", "REFUNDED");
-    let r = server.post_callback("payzu", &refund, None).await;
-    assert!(r.headers().get("idempotent-replayed").is_none());
+    // The provider retries its refund a second later, signed again: a new event.
+    clock.advance(1_000);
+    let resigned = sign_payzu(
+        support::PAYZU_SECRET.as_bytes(),
+        server.app.clock.now_secs(),
+        BODY.as_bytes(),
+    );
+    assert_ne!(resigned, captured);
+    let refund = server
+        .post_signed("payzu", BODY, &resigned, Some("TRANSACTION_REFUNDED"))
+        .await;
+    assert_eq!(refund.status(), 200);
+    assert!(refund.headers().get("idempotent-replayed").is_none());
+    assert_ne!(refund.bytes().await.unwrap(), first_body);
+    assert_eq!(message_keys(&redis), 2);
+    // And the captured request still gets nothing new.
+    let reused = server
+        .post_signed("payzu", BODY, &captured, Some("TRANSACTION_REFUNDED"))
+        .await;
+    assert_eq!(reused.status(), 409);
     assert_eq!(message_keys(&redis), 2);
 }
 

@@ -308,3 +308,118 @@ async fn http1_keep_alive_connection_is_closed_when_idle_after_a_request() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
+
+/// Issue 22, item 7: a connection that never sends a byte is closed once the header timeout
+/// has passed since its accept, not after the idle limit (header + request timeout).
+#[tokio::test]
+async fn a_connection_that_never_sends_a_byte_is_closed_at_the_header_timeout() {
+    let redis = RedisServer::start();
+    let mut cfg = config(&redis.url(), None);
+    cfg.server.header_timeout_secs = 1;
+    // An idle limit far beyond the header timeout, so closing at the idle limit fails.
+    cfg.server.request_timeout_secs = 60;
+    let header_timeout = Duration::from_secs(cfg.server.header_timeout_secs);
+    let server = TestServer::start(cfg).await;
+    let addr = server.url.trim_start_matches("http://").to_string();
+
+    let started = tokio::time::Instant::now();
+    let mut silent = TcpStream::connect(&addr).await.unwrap();
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(3 * header_timeout, silent.read_to_end(&mut buf)).await;
+    let held = started.elapsed();
+    assert!(
+        closed.is_ok(),
+        "a silent connection is still open {held:?} after its accept (header timeout {header_timeout:?})"
+    );
+    assert!(
+        buf.is_empty(),
+        "nothing is answered to a request never sent"
+    );
+    assert!(
+        held >= header_timeout,
+        "closed only once its time was up: {held:?}"
+    );
+
+    // A client that sends its request in time on a fresh connection is still served.
+    let mut prompt = TcpStream::connect(&addr).await.unwrap();
+    prompt
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(HANG_GUARD, prompt.read_to_end(&mut answer))
+        .await
+        .expect("answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// Issue 22, item 11: every API answer, errors and the unrouted ones included, tells the
+/// browser not to sniff its type.
+#[tokio::test]
+async fn every_api_answer_says_nosniff() {
+    let redis = RedisServer::start();
+    let server = TestServer::start(config(&redis.url(), None)).await;
+    let client = &server.client;
+    let url = |path: &str| format!("{}{path}", server.url);
+    let answers = [
+        (
+            "/healthz",
+            client.get(url("/healthz")).send().await.unwrap(),
+        ),
+        ("/readyz", client.get(url("/readyz")).send().await.unwrap()),
+        (
+            "/metrics",
+            client.get(url("/metrics")).send().await.unwrap(),
+        ),
+        (
+            "/openapi.json",
+            client.get(url("/openapi.json")).send().await.unwrap(),
+        ),
+        ("/", client.get(url("/")).send().await.unwrap()),
+        ("a list", server.admin_get("/v1/messages").await),
+        (
+            "unknown id",
+            server.admin_get("/v1/messages/msg_nope").await,
+        ),
+        (
+            "no token",
+            client.get(url("/v1/messages")).send().await.unwrap(),
+        ),
+        (
+            "unknown route",
+            client.get(url("/no/such/route")).send().await.unwrap(),
+        ),
+        (
+            "wrong method",
+            client.delete(url("/v1/messages")).send().await.unwrap(),
+        ),
+        (
+            "bad callback",
+            client
+                .post(url("/v1/callbacks/open"))
+                .body("not json")
+                .send()
+                .await
+                .unwrap(),
+        ),
+    ];
+    let mut statuses = Vec::new();
+    for (what, answer) in answers {
+        statuses.push(answer.status().as_u16());
+        assert_eq!(
+            answer
+                .headers()
+                .get("x-content-type-options")
+                .and_then(|v| v.to_str().ok()),
+            Some("nosniff"),
+            "{what} ({})",
+            answer.status()
+        );
+    }
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 200, 200, 200, 404, 401, 404, 405, 400]
+    );
+}

@@ -556,8 +556,8 @@ fn known_sequences() -> Vec<Scenario> {
             live(Outcome::Delivered),
             claim.clone(),
         ]),
-        // A replay seals its new signature to the first answer; a seal ends when its
-        // signature could no longer verify.
+        // A replay seals its new signature to the first answer; the signature under another
+        // dedupe key is refused; a seal ends when its signature could no longer verify.
         one_partition(vec![
             sealed(0, 0),
             sealed(0, 1),

@@ -275,6 +275,7 @@ contract!(
     list_pages_stay_consistent_while_messages_arrive,
     list_filters_by_state_source_key_and_window,
     list_with_a_sparse_filter_loses_nothing,
+    list_by_several_ordering_keys_merges_them_in_id_order,
     history_rows_are_kept_in_order,
     depth_counts_pending_in_flight_and_dead,
     operations_are_reserved_then_finished,
@@ -284,6 +285,7 @@ contract!(
     payment_state_outlives_its_dedupe_claims_then_ends_with_its_own_retention,
     an_expired_claim_is_a_new_event,
     a_signature_is_single_use_while_it_could_verify,
+    a_seal_ends_with_its_claim_at_the_latest,
     history_keeps_the_first_and_the_latest_rows_and_counts_every_row,
     list_pages_carry_counts_but_no_histories,
     everything_of_a_finished_message_is_swept_after_the_retention,
@@ -455,8 +457,8 @@ async fn a_callback_claim_answers_with_its_derived_id(h: &Harness) {
         s.accept(fingerprinted, day).await.unwrap(),
         AcceptOutcome::Conflict
     );
-    // A new signature of the repeat is sealed with the first answer, which the signature then
-    // gets under any claim key.
+    // A new signature of the repeat is sealed with the first answer (rebuilt from the compact
+    // claim on Redis), which the signature then gets under this claim key only.
     let seal = SignatureSeal {
         key: "seal/tx-c".into(),
         expires_at: T0 + 40 * DAY_MS,
@@ -465,12 +467,16 @@ async fn a_callback_claim_answers_with_its_derived_id(h: &Harness) {
         seal: Some(seal.clone()),
         ..repeat
     };
-    assert_eq!(s.accept(resigned, day).await.unwrap(), replayed);
+    assert_eq!(s.accept(resigned.clone(), day).await.unwrap(), replayed);
+    assert_eq!(s.accept(resigned, day + 1).await.unwrap(), replayed);
     let other_claim = AcceptRequest {
         seal: Some(seal),
         ..callback_request("cb/tx-c-other", "tx-c", TTL_SECS, p, day + 1)
     };
-    assert_eq!(s.accept(other_claim, day + 1).await.unwrap(), replayed);
+    assert_eq!(
+        s.accept(other_claim, day + 1).await.unwrap(),
+        AcceptOutcome::SignatureReused
+    );
 
     // It ends with its lifetime: then the callback is a new event with an id of its own.
     let end = T0 + TTL_SECS as Millis * 1000;
@@ -919,7 +925,7 @@ async fn racing_transitions_of_one_payment_have_one_winner(h: &Harness) {
         let listed = list_all(
             s,
             ListFilter {
-                ordering_key: Some(key),
+                ordering_keys: Some(vec![key]),
                 limit: 10,
                 ..Default::default()
             },
@@ -1024,7 +1030,7 @@ async fn concurrent_accepts_of_one_key_are_accepted_once_and_replayed_alike(h: &
     let listed = list_all(
         s,
         ListFilter {
-            ordering_key: Some("o-same-racing".into()),
+            ordering_keys: Some(vec!["o-same-racing".into()]),
             limit: 100,
             ..Default::default()
         },
@@ -1075,7 +1081,7 @@ async fn check_payment_sequence(s: &dyn Store, payment_id: &str, requests: &[Acc
     let listed = list_all(
         s,
         ListFilter {
-            ordering_key: Some(payment::ordering_key(payment_id)),
+            ordering_keys: Some(vec![payment::ordering_key(payment_id)]),
             limit: 10,
             ..Default::default()
         },
@@ -1697,7 +1703,7 @@ async fn list_filters_by_state_source_key_and_window(h: &Harness) {
     assert!(done.iter().all(|r| r.state == MessageState::Delivered));
 
     let key = by(ListFilter {
-        ordering_key: Some("src/payzu/tx1".into()),
+        ordering_keys: Some(vec!["src/payzu/tx1".into()]),
         ..Default::default()
     })
     .await;
@@ -1706,7 +1712,7 @@ async fn list_filters_by_state_source_key_and_window(h: &Harness) {
 
     // Key and state together.
     let key_done = by(ListFilter {
-        ordering_key: Some(delivered.message.ordering_key.clone()),
+        ordering_keys: Some(vec![delivered.message.ordering_key.clone()]),
         state: Some(MessageState::Delivered),
         ..Default::default()
     })
@@ -1761,6 +1767,61 @@ async fn list_with_a_sparse_filter_loses_nothing(h: &Harness) {
         .await;
         assert_eq!(ids(&listed), wanted, "limit {limit}");
     }
+}
+
+/// One transaction id in several sources (issue 22, item 8): a filter with several ordering
+/// keys lists the messages of any of them, merged in id order across partitions and pages,
+/// and combines with the other filters; an empty list selects nothing.
+async fn list_by_several_ordering_keys_merges_them_in_id_order(h: &Harness) {
+    let s = h.s();
+    let mut wanted = Vec::new();
+    for i in 0..12 {
+        let now = T0 + i * 1_000;
+        let source = ["a", "b", "c"][i as usize % 3];
+        let tx = if i % 4 == 3 { "tx-other" } else { "tx-1" };
+        let id = accept(s, inbound(source, tx, now), now).await;
+        if tx == "tx-1" {
+            wanted.push(id);
+        }
+    }
+    let keys: Vec<String> = ["a", "b", "c", "nobody"]
+        .iter()
+        .map(|source| format!("src/{source}/tx-1"))
+        .collect();
+    for limit in [1, 2, 5, 100] {
+        let listed = list_all(
+            s,
+            ListFilter {
+                ordering_keys: Some(keys.clone()),
+                limit,
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(ids(&listed), wanted, "limit {limit}");
+    }
+    let in_b = list_all(
+        s,
+        ListFilter {
+            ordering_keys: Some(keys.clone()),
+            source: Some("b".into()),
+            limit: 2,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(!in_b.is_empty());
+    assert!(in_b.iter().all(|r| r.message.ordering_key == "src/b/tx-1"));
+    let none = list_all(
+        s,
+        ListFilter {
+            ordering_keys: Some(Vec::new()),
+            limit: 5,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(none.is_empty(), "{none:?}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2037,39 +2098,103 @@ async fn a_signature_is_single_use_while_it_could_verify(h: &Harness) {
         s.accept(first.clone(), T0).await.unwrap(),
         AcceptOutcome::Accepted
     );
-    // The same signature with another unsigned event header: another dedupe key, yet the
-    // first answer, and nothing new recorded.
+    let answer = AcceptOutcome::Replayed {
+        response: first.dedupe.response.clone(),
+    };
+    // The same signature with the same dedupe key: a replay of the first answer.
+    let again = sealed("tx-1/COMPLETED", "sig-1", valid_until, T0 + 500);
+    let again_id = again.message.id.clone();
+    assert_eq!(s.accept(again, T0 + 500).await.unwrap(), answer);
+    assert_eq!(s.get(&again_id).await.unwrap(), None);
+    // The same signature with another unsigned event header, so another dedupe key: refused
+    // (issue 22, item 9), with nothing recorded and no key claimed.
     let reposted = sealed("tx-1/REFUNDED", "sig-1", valid_until, T0 + 1_000);
     let reposted_id = reposted.message.id.clone();
     assert_eq!(
         s.accept(reposted, T0 + 1_000).await.unwrap(),
-        AcceptOutcome::Replayed {
-            response: first.dedupe.response.clone()
-        }
+        AcceptOutcome::SignatureReused
     );
     assert_eq!(s.get(&reposted_id).await.unwrap(), None);
-    // A provider retry of the same event with a fresh signature is a replay, and seals that
-    // signature to the same answer.
-    let retry = sealed("tx-1/COMPLETED", "sig-2", valid_until, T0 + 2_000);
     assert_eq!(
-        s.accept(retry, T0 + 2_000).await.unwrap(),
-        AcceptOutcome::Replayed {
-            response: first.dedupe.response.clone()
-        }
+        s.depth().await.unwrap().pending,
+        1,
+        "only the first event is queued"
     );
-    let again = sealed("tx-1/REFUNDED", "sig-2", valid_until, T0 + 3_000);
+    // The provider's real second event, signed again, claims that key as its own.
+    let refund = sealed("tx-1/REFUNDED", "sig-refund", valid_until, T0 + 1_500);
+    let refund_answer = AcceptOutcome::Replayed {
+        response: refund.dedupe.response.clone(),
+    };
     assert_eq!(
-        s.accept(again, T0 + 3_000).await.unwrap(),
-        AcceptOutcome::Replayed {
-            response: first.dedupe.response.clone()
-        }
-    );
-    // Once the signature could no longer verify, the seal is gone: a new signature on the
-    // other event is that event.
-    let later = sealed("tx-1/REFUNDED", "sig-3", valid_until + 600_000, valid_until);
-    assert_eq!(
-        s.accept(later, valid_until).await.unwrap(),
+        s.accept(refund.clone(), T0 + 1_500).await.unwrap(),
         AcceptOutcome::Accepted
+    );
+    // A provider retry of the first event with a fresh signature is a replay, and seals that
+    // signature to the same answer: under the other, live, claim it is refused too.
+    let retry = sealed("tx-1/COMPLETED", "sig-2", valid_until, T0 + 2_000);
+    assert_eq!(s.accept(retry, T0 + 2_000).await.unwrap(), answer);
+    let elsewhere = sealed("tx-1/REFUNDED", "sig-2", valid_until, T0 + 3_000);
+    assert_eq!(
+        s.accept(elsewhere, T0 + 3_000).await.unwrap(),
+        AcceptOutcome::SignatureReused
+    );
+    let refund_again = sealed("tx-1/REFUNDED", "sig-refund", valid_until, T0 + 3_500);
+    assert_eq!(
+        s.accept(refund_again, T0 + 3_500).await.unwrap(),
+        refund_answer
+    );
+    assert_eq!(s.depth().await.unwrap().pending, 2);
+    // Once the signature could no longer verify, the seal is gone: a new signature on
+    // another event is that event.
+    let later = sealed(
+        "tx-1/CHARGEBACK",
+        "sig-3",
+        valid_until + 600_000,
+        valid_until,
+    );
+    assert_eq!(
+        s.accept(later.clone(), valid_until).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let sig1_later = sealed("tx-1/OTHER", "sig-1", valid_until + 600_000, valid_until);
+    assert_eq!(
+        s.accept(sig1_later, valid_until).await.unwrap(),
+        AcceptOutcome::Accepted,
+        "sig-1's seal ended at its time"
+    );
+}
+
+/// A seal never outlives the claim it is sealed to: a signature that would verify longer
+/// (`hmac-sha256` has no timestamp), sealed by a replay near the claim's end, ends with it,
+/// so a live seal's claim is always live.
+async fn a_seal_ends_with_its_claim_at_the_latest(h: &Harness) {
+    let s = h.s();
+    let first = request("tx-1/COMPLETED", inbound("payzu", "tx-1", T0));
+    let first_answer = first.dedupe.response.clone();
+    assert_eq!(s.accept(first, T0).await.unwrap(), AcceptOutcome::Accepted);
+    let claim_ends = T0 + TTL_SECS as Millis * 1000;
+    let replayed_at = claim_ends - DAY_MS;
+    let forever = claim_ends + 30 * DAY_MS;
+    let resigned = sealed("tx-1/COMPLETED", "sig-1", forever, replayed_at);
+    assert_eq!(
+        s.accept(resigned, replayed_at).await.unwrap(),
+        AcceptOutcome::Replayed {
+            response: first_answer
+        }
+    );
+    // Past the claim's end the same bytes are a new event (as for a signature first accepted
+    // then), before and after a sweep.
+    let after = sealed("tx-1/COMPLETED", "sig-1", forever, claim_ends);
+    assert_eq!(
+        s.accept(after, claim_ends).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    h.sweep_all(claim_ends + DAY_MS).await;
+    let swept = sealed("tx-1/OTHER", "sig-1", forever, claim_ends + DAY_MS);
+    assert_eq!(
+        s.accept(swept, claim_ends + DAY_MS).await.unwrap(),
+        AcceptOutcome::SignatureReused,
+        "the new event's seal is live, and this is another key"
     );
 }
 
@@ -2715,20 +2840,29 @@ async fn the_release_fixture_goes_on(s: &dyn Store, v: &str) {
             .as_deref(),
         Some("settled")
     );
-    // The seal answers the same signature under any other claim key (of the same
-    // transaction: on Redis a seal lives in its transaction's partition).
-    let resigned = AcceptRequest {
+    // The seal the older release wrote (its first answer) still answers the same signature
+    // under its own claim key, and refuses it under any other (of the same transaction: on
+    // Redis a seal lives in its transaction's partition).
+    let resigned = |claim_key: &str| AcceptRequest {
         seal: Some(SignatureSeal {
             key: format!("seal/{v}"),
             expires_at: T0 + 300_000,
         }),
-        ..request("another/claim", inbound("payzu", &format!("tx-{v}"), now))
+        ..request(claim_key, inbound("payzu", &format!("tx-{v}"), now))
     };
     assert_eq!(
-        s.accept(in_store(resigned), now).await.unwrap(),
+        s.accept(in_store(resigned(&format!("claim/src/payzu/tx-{v}"))), now)
+            .await
+            .unwrap(),
         AcceptOutcome::Replayed {
             response: answer(&recorded.message.id)
         }
+    );
+    assert_eq!(
+        s.accept(in_store(resigned("another/claim")), now)
+            .await
+            .unwrap(),
+        AcceptOutcome::SignatureReused
     );
     for (key, fingerprint, found) in [
         (

@@ -80,7 +80,8 @@ pub struct ListQuery {
     /// The payment's notifications. Filters combine: with `transactionId` too the page is
     /// empty (no message has both).
     pub payment_id: Option<String>,
-    /// Provider transaction id (with `source` when several sources are configured).
+    /// Provider transaction id: its events in `source`, or in every configured source.
+    #[param(min_length = 1)]
     pub transaction_id: Option<String>,
     /// RFC 3339 with an offset (`2026-11-30T00:00:00-03:00`), inclusive.
     #[param(format = DateTime)]
@@ -138,37 +139,34 @@ impl Selection {
         };
         let created_from = time("createdAtFrom", &self.created_at_from)?;
         let created_to = time("createdAtTo", &self.created_at_to)?;
-        let transaction_key = self
+        // A transaction id is a provider's, so it names one event stream per source: the
+        // given source's, else every configured source's.
+        let transaction_keys = self
             .transaction_id
             .as_ref()
             .map(|t| {
-                let source = match &self.source {
-                    Some(s) => s.clone(),
-                    None if app.settings.sources.len() == 1 => app
-                        .settings
-                        .sources
-                        .keys()
-                        .next()
-                        .cloned()
-                        .unwrap_or_default(),
-                    None => {
-                        return Err(bad(
-                            "`transactionId` needs `source` when several sources are configured",
-                        ));
-                    }
+                if t.is_empty() {
+                    return Err(bad("`transactionId` must not be empty"));
+                }
+                let sources: Vec<&String> = match &self.source {
+                    Some(s) => vec![s],
+                    None => app.settings.sources.keys().collect(),
                 };
-                Ok(inbound::accept::ordering_key(&source, t))
+                Ok(sources
+                    .into_iter()
+                    .map(|source| inbound::accept::ordering_key(source, t))
+                    .collect::<Vec<_>>())
             })
             .transpose()?;
-        let ordering_key = match (&self.payment_id, transaction_key) {
+        let ordering_keys = match (&self.payment_id, transaction_keys) {
             (Some(_), Some(_)) => return Ok(None),
-            (Some(p), None) => Some(payment::ordering_key(p)),
-            (None, key) => key,
+            (Some(p), None) => Some(vec![payment::ordering_key(p)]),
+            (None, keys) => keys,
         };
         Ok(Some(ListFilter {
             state,
             source: self.source.clone(),
-            ordering_key,
+            ordering_keys,
             created_from,
             created_to,
             after: None,
@@ -252,7 +250,8 @@ pub struct ResendRequest {
     pub message_ids: Option<Vec<String>>,
     /// The payment's notifications. With `transactionId` too: nothing (no message has both).
     pub payment_id: Option<String>,
-    /// The transaction's provider events (with `source` when several sources are configured).
+    /// The transaction's provider events: in `source`, or in every configured source.
+    #[schema(min_length = 1)]
     pub transaction_id: Option<String>,
     /// Window start, RFC 3339 with an offset (PayZu's name).
     #[schema(format = DateTime)]
@@ -266,7 +265,8 @@ pub struct ResendRequest {
     #[schema(value_type = Option<MessageState>)]
     pub state: Option<String>,
     /// Makes the resend idempotent: the same id returns the recorded answer and resends
-    /// nothing; reused with a different selection it is a 422.
+    /// nothing; reused with a different selection it is a 422. 1 to 256 visible ASCII
+    /// characters, as `Idempotency-Key`.
     pub request_id: Option<String>,
     /// Only count what would be resent (answer: `dryRun`, `wouldResend`, `more`); resends
     /// nothing and does not use `requestId`.
@@ -326,6 +326,16 @@ pub async fn resend(
         ApiError::bad_request(ErrorCode::InvalidRequest, format!("resend body: {e}"))
     })?;
     drop(bytes);
+    // Copied into every resend mark it makes: unbounded, one request could fill the store.
+    if let Some(request_id) = &req.request_id
+        && !super::is_visible_text(request_id, super::MAX_KEY_LEN)
+    {
+        return Err(super::not_visible_text(
+            "`requestId`",
+            super::MAX_KEY_LEN,
+            ErrorCode::InvalidRequest,
+        ));
+    }
     let targets = ResendTarget::of(&app, &req)?;
     if req.dry_run == Some(true) {
         let (ids, filter) = match &targets {
@@ -575,7 +585,7 @@ async fn resend_ids(
 ) -> Result<(), ApiError> {
     let narrowed = filter.state.is_some()
         || filter.source.is_some()
-        || filter.ordering_key.is_some()
+        || filter.ordering_keys.is_some()
         || filter.created_from.is_some()
         || filter.created_to.is_some();
     for id in ids {

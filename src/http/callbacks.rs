@@ -32,7 +32,9 @@ pub const MAX_EVENT_LEN: usize = 128;
 /// its place in the dedupe key (1 to 128 visible ASCII characters).
 /// The first arrival of an event is
 /// answered 200 once it is durably recorded; a duplicate gets the byte-identical first answer
-/// and `Idempotent-Replayed: true`.
+/// and `Idempotent-Replayed: true`. A signature is single-use: re-posted with another
+/// `X-Callback-Event` (another dedupe key) it is a 409 `signature_reused` that records
+/// nothing, and the provider's retry, signed again, gets through.
 #[utoipa::path(
     post,
     path = "/v1/callbacks/{source}",
@@ -44,6 +46,7 @@ pub const MAX_EVENT_LEN: usize = 128;
         (status = 400, description = "Not a JSON object, no `id`, no `status`", body = ErrorBody),
         (status = 401, description = "Missing, bad or stale signature", body = ErrorBody),
         (status = 404, description = "Unknown source", body = ErrorBody),
+        (status = 409, description = "The signature was accepted before with another dedupe key (`signature_reused`); nothing recorded", body = ErrorBody),
         (status = 413, description = "Body too large", body = ErrorBody),
         (status = 503, description = "Cannot record durably now; retry", body = ErrorBody,
          headers(("Retry-After" = String))),

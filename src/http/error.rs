@@ -82,6 +82,8 @@ error_catalogue! {
         "A resend with the same `requestId` is still running.";
     InvalidTransition => StatusCode::CONFLICT, "invalid_transition",
         "The payment cannot move to that status from its current one (`from`, `to`).";
+    SignatureReused => StatusCode::CONFLICT, "signature_reused",
+        "A callback's signature was already accepted with another dedupe key (another `X-Callback-Event`); nothing was recorded; send the event signed again.";
     PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large",
         "The body is larger than `server.max_body_bytes`.";
     IdempotencyKeyReused => StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused",
@@ -122,6 +124,11 @@ pub enum ApiError {
     IdempotencyMismatch,
     #[error("{0}")]
     Conflict(String),
+    #[error(
+        "this signature was already accepted for another event of the transaction; sign this \
+         event again"
+    )]
+    SignatureReused,
     #[error("the store cannot record this durably right now; retry")]
     Unavailable(#[source] StoreError),
     #[error("shutting down: send requests to another instance")]
@@ -152,6 +159,7 @@ impl ApiError {
             ApiError::InvalidTransition { .. } => ErrorCode::InvalidTransition,
             ApiError::IdempotencyMismatch => ErrorCode::IdempotencyKeyReused,
             ApiError::Conflict(_) => ErrorCode::InProgress,
+            ApiError::SignatureReused => ErrorCode::SignatureReused,
             ApiError::Unavailable(StoreError::Full(_)) => ErrorCode::StoreFull,
             ApiError::Unavailable(_) => ErrorCode::StoreUnavailable,
             ApiError::ShuttingDown => ErrorCode::ShuttingDown,

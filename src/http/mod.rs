@@ -90,6 +90,8 @@ pub fn router(app: Arc<App>) -> Router {
         .method_not_allowed_fallback(|| async {
             ApiError::MethodNotAllowed("this route does not take that method".into())
         })
+        // After the fallbacks, so 404s and 405s carry it too.
+        .layer(axum::middleware::map_response(no_sniff))
         // Bodies are read by `read_body`, which enforces `max_body_bytes` with a JSON 413.
         .layer(DefaultBodyLimit::disable())
         .layer(
@@ -118,6 +120,18 @@ pub fn starting_router() -> Router {
     Router::new()
         .route("/healthz", get(health::healthz))
         .fallback(not_yet)
+        .layer(axum::middleware::map_response(no_sniff))
+}
+
+/// Every answer, errors included, is declared JSON or text: a browser that is handed one
+/// (an API URL opened in a tab, or loaded by another page) must not sniff it into HTML or a
+/// script.
+async fn no_sniff(mut response: axum::response::Response) -> axum::response::Response {
+    response.headers_mut().insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    response
 }
 
 /// Request ids: a per-process random prefix and a counter, cheap and unique enough to follow
@@ -258,12 +272,34 @@ async fn collect(
     })
 }
 
-/// A header holding text: trimmed, 1 to `max` characters, visible ASCII with inner spaces
-/// (the document's `HEADER_TEXT` pattern). `None` for anything else.
+/// Longest key a client chooses to make a request idempotent: `Idempotency-Key` and a
+/// resend's `requestId`. Each is stored with what it claims, so it is bounded.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// Text a client chooses as a key or a header value: 1 to `max` characters, visible ASCII
+/// with inner spaces, none at either end (the document's `HEADER_TEXT` pattern).
+pub fn is_visible_text(text: &str, max: usize) -> bool {
+    let visible = text.bytes().all(|b| (b' '..=b'~').contains(&b));
+    visible
+        && !text.is_empty()
+        && text.len() <= max
+        && !text.starts_with(' ')
+        && !text.ends_with(' ')
+}
+
+/// The 400 for text that is not [`is_visible_text`], naming it as `shown`.
+pub fn not_visible_text(shown: &str, max: usize, code: ErrorCode) -> ApiError {
+    ApiError::bad_request(
+        code,
+        format!("{shown} must be 1 to {max} visible ASCII characters"),
+    )
+}
+
+/// A header holding text: trimmed (as HTTP allows), then [`is_visible_text`]. `None` for
+/// anything else.
 pub fn header_text(value: &HeaderValue, max: usize) -> Option<&str> {
     let text = value.to_str().ok()?.trim_matches([' ', '\t']);
-    let visible = text.bytes().all(|b| (b' '..=b'~').contains(&b));
-    (visible && !text.is_empty() && text.len() <= max).then_some(text)
+    is_visible_text(text, max).then_some(text)
 }
 
 /// An optional header that, when present, must be [`header_text`] of at most `max` bytes; a
@@ -280,12 +316,7 @@ pub fn optional_header(
     };
     header_text(value, max)
         .map(|text| Some(text.to_string()))
-        .ok_or_else(|| {
-            ApiError::bad_request(
-                code,
-                format!("{shown} must be 1 to {max} visible ASCII characters"),
-            )
-        })
+        .ok_or_else(|| not_visible_text(shown, max, code))
 }
 
 /// Maps axum's path extraction failure (e.g. a segment that is not UTF-8) to our JSON error.

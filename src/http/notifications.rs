@@ -227,7 +227,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
         headers,
         "idempotency-key",
         "Idempotency-Key",
-        MAX_ID_LEN,
+        super::MAX_KEY_LEN,
         ErrorCode::InvalidRequest,
     )
 }

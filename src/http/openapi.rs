@@ -166,7 +166,7 @@ fn complete(doc: &mut Value) {
     set_param(
         &mut paths["/v1/notifications"]["post"],
         "Idempotency-Key",
-        json!({"type": ["string", "null"], "pattern": HEADER_TEXT, "minLength": 1, "maxLength": notifications::MAX_ID_LEN}),
+        key_text(),
     );
     paths["/v1/callbacks/{source}"]["post"]["requestBody"]["content"]["application/json"]["schema"] = json!({
         "type": "object",
@@ -218,6 +218,10 @@ fn complete(doc: &mut Value) {
     });
 
     let resend = &mut doc["components"]["schemas"]["ResendRequest"];
+    let request_id = &mut resend["properties"]["requestId"];
+    let description = request_id["description"].take();
+    *request_id = key_text();
+    request_id["description"] = description;
     resend["properties"]["messageIds"]["items"] = json!({"type": "string", "pattern": MESSAGE_ID});
     resend["properties"]["messageIds"]["maxItems"] = json!(admin::MAX_RESEND_IDS);
     resend["anyOf"] = Value::Array(
@@ -232,6 +236,12 @@ fn complete(doc: &mut Value) {
         .map(|(field, schema)| json!({"required": [field], "properties": {field: schema}}))
         .collect(),
     );
+}
+
+/// A key the client chooses (`Idempotency-Key`, a resend's `requestId`), when given: the
+/// one rule the server checks both with ([`super::is_visible_text`]).
+fn key_text() -> Value {
+    json!({"type": ["string", "null"], "pattern": HEADER_TEXT, "minLength": 1, "maxLength": super::MAX_KEY_LEN})
 }
 
 /// Replaces the schema of the parameter `name` of an operation.

@@ -42,6 +42,7 @@ pub async fn record(app: &App, request: AcceptRequest, now: Millis) -> Result<Re
             replayed: true,
         }),
         (AcceptOutcome::Conflict, _) if fingerprinted => Err(ApiError::IdempotencyMismatch),
+        (AcceptOutcome::SignatureReused, _) => Err(ApiError::SignatureReused),
         (AcceptOutcome::InvalidTransition { from }, Some(to)) => {
             Err(ApiError::InvalidTransition { from, to })
         }

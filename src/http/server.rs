@@ -32,7 +32,8 @@ use tokio_util::task::TaskTracker;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// A client must send its request headers within this time.
+    /// A client must send its request headers within this time, the first request's counted
+    /// from the connection's accept.
     pub header_timeout: Duration,
     /// A connection with no request in flight for this long is closed, so one that never
     /// sends a byte, idles after a response, or only exchanges HTTP/2 PINGs cannot hold a
@@ -95,10 +96,15 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
+        // Hyper's header timer starts only once the first bytes have told HTTP/1 from
+        // HTTP/2, so a socket that never sends one would be held until the idle limit.
+        let headers_due = Instant::now() + limits.header_timeout;
+        let first_request = CancellationToken::new();
         let (in_flight, requests) = watch::channel(0usize);
         let service = Tracked {
             inner: TowerToHyperService::new(router.clone()),
             in_flight: Arc::new(in_flight),
+            first_request: first_request.clone(),
         };
         let stream = IdleTimeout::new(stream, limits.idle_timeout);
         let connection = builder
@@ -138,6 +144,10 @@ pub async fn serve(
                         }
                     } => break,
                     _ = force_close.cancelled() => break,
+                    () = no_request_by(&first_request, headers_due) => {
+                        tracing::debug!("no request headers within the header timeout");
+                        break;
+                    }
                 }
             }
             drop(permit);
@@ -178,11 +188,23 @@ async fn idle_for(requests: &mut watch::Receiver<usize>, limit: Duration) {
     }
 }
 
-/// The router, counting the requests in flight on its connection for [`idle_for`].
+/// Returns at `deadline` if the connection's first request has not arrived by then; never
+/// once it has.
+async fn no_request_by(first_request: &CancellationToken, deadline: Instant) {
+    tokio::select! {
+        biased;
+        _ = first_request.cancelled() => std::future::pending::<()>().await,
+        _ = tokio::time::sleep_until(deadline) => {}
+    }
+}
+
+/// The router, counting the requests in flight on its connection for [`idle_for`], and
+/// telling [`no_request_by`] that the first one came.
 #[derive(Clone)]
 struct Tracked {
     inner: TowerToHyperService<Router>,
     in_flight: Arc<watch::Sender<usize>>,
+    first_request: CancellationToken,
 }
 
 /// Counts a request as in flight until its handler answers (or is dropped).
@@ -201,6 +223,7 @@ impl hyper::service::Service<Request<Incoming>> for Tracked {
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         self.in_flight.send_modify(|n| *n += 1);
+        self.first_request.cancel();
         let guard = InFlight(self.in_flight.clone());
         let future = self.inner.call(req);
         Box::pin(async move {

@@ -15,7 +15,8 @@
 //!   is claimed again, so its worker may still finish it.
 //! * [`resend`] orders one more delivery ([`ResendEffect`]).
 //! * Lifetimes end by the caller's clock: a dedupe claim `ttl_secs` after it was made, a
-//!   signature seal at its `expires_at`, a payment's status `payment_retention_ms` after its
+//!   signature seal at its `expires_at` or with the claim it was sealed to, whichever ends
+//!   first, a payment's status `payment_retention_ms` after its
 //!   last transition, a finished message `retention_ms` after it finished (a recorded one
 //!   after its acceptance). Past its end a thing counts as gone; [`sweep`] deletes it
 //!   (README, "Retention").
@@ -259,10 +260,13 @@ impl Model {
         }
     }
 
-    fn remember_seal(&mut self, req: &AcceptRequest, response: &str) {
+    /// Seals the request's signature to `response`, the answer of the claim it was accepted
+    /// under, which ends at `claim_ends`: a seal never outlives that claim, so while a seal
+    /// lives, so does the claim whose answer it holds.
+    fn remember_seal(&mut self, req: &AcceptRequest, response: &str, claim_ends: Millis) {
         if let Some(seal) = &req.seal {
             let value = response.to_string();
-            let ends_at = seal.expires_at;
+            let ends_at = seal.expires_at.min(claim_ends);
             self.seals
                 .insert(seal.key.clone(), Expiring { value, ends_at });
         }
@@ -270,24 +274,35 @@ impl Model {
 }
 
 /// Claims the dedupe key and records the message, with the payment's compare-and-set, in one
-/// step. A live signature seal answers first, whatever the dedupe key; a live claim answers
-/// with its stored response (and seals this signature to it) or, for another fingerprint, is
-/// a conflict. A refused transition records nothing and burns no key. A dedupe key, a seal
-/// and a payment always come with the same ordering key (Redis keeps them in its partition).
+/// step. A live signature seal answers first: a replay of its answer when the request's
+/// dedupe key is the one the signature was accepted under (its live claim holds that answer,
+/// which names the claim's own message), else `SignatureReused`, recording nothing (the same
+/// signed bytes under another unsigned header). A live claim answers with its stored response
+/// (and seals this signature to it) or, for another fingerprint, is a conflict. A refused
+/// transition records nothing and burns no key. A dedupe key, a seal and a payment always
+/// come with the same ordering key (Redis keeps them in its partition).
 pub fn accept(model: &mut Model, req: &AcceptRequest, now: Millis) -> AcceptOutcome {
+    let claim = model
+        .claims
+        .get(&req.dedupe.key)
+        .filter(|c| c.ends_at > now)
+        .cloned();
     if let Some(seal) = &req.seal
         && let Some(first) = live(&model.seals, &seal.key, now)
     {
-        return AcceptOutcome::Replayed {
-            response: first.clone(),
+        return match &claim {
+            Some(claim) if claim.value.response == *first => AcceptOutcome::Replayed {
+                response: first.clone(),
+            },
+            _ => AcceptOutcome::SignatureReused,
         };
     }
-    if let Some(claim) = live(&model.claims, &req.dedupe.key, now) {
-        if claim.fingerprint != req.dedupe.fingerprint {
+    if let Some(claim) = claim {
+        if claim.value.fingerprint != req.dedupe.fingerprint {
             return AcceptOutcome::Conflict;
         }
-        let response = claim.response.clone();
-        model.remember_seal(req, &response);
+        let response = claim.value.response;
+        model.remember_seal(req, &response, claim.ends_at);
         return AcceptOutcome::Replayed { response };
     }
     if let Some(p) = req.payment.as_ref().filter(|p| !p.to.is_empty()) {
@@ -318,7 +333,7 @@ pub fn accept(model: &mut Model, req: &AcceptRequest, now: Millis) -> AcceptOutc
             ends_at,
         },
     );
-    model.remember_seal(req, &req.dedupe.response);
+    model.remember_seal(req, &req.dedupe.response, ends_at);
 
     let id = req.message.id.clone();
     let mut message = Message::new(req.message.clone());

@@ -178,13 +178,17 @@ pub struct PaymentTransition {
 }
 
 /// A verified provider signature, single-use while its timestamp is inside the tolerance
-/// window: the same signature again gets the first answer, whatever its unsigned headers say
-/// (a captured request re-posted with another `X-Callback-Event` is not a new event).
+/// window. The seal keeps the answer of the claim the signature was accepted under: the same
+/// signature with the same dedupe key is a replay of it; with another dedupe key (the same
+/// signed bytes under another unsigned `X-Callback-Event`) it is
+/// [`AcceptOutcome::SignatureReused`], so a captured request is not a new event, while a
+/// provider's real second event, signed again, gets through.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SignatureSeal {
     /// Hash of the source and the signature bytes; in the partition of the message.
     pub key: String,
-    /// Until when the signature could still be accepted, so until when it is remembered.
+    /// Until when the signature could still be accepted, so until when it is remembered (at
+    /// most as long as the claim it is sealed to).
     pub expires_at: Millis,
 }
 
@@ -207,6 +211,9 @@ pub enum AcceptOutcome {
     Conflict,
     /// The payment is in `from`, which does not allow the transition. Nothing was recorded.
     InvalidTransition { from: String },
+    /// The request's signature is sealed to another dedupe key's answer. Nothing was
+    /// recorded and no key claimed.
+    SignatureReused,
 }
 
 /// One row of a message's history as it is stored: a delivery attempt or an operator's
@@ -390,8 +397,9 @@ pub struct MessageRecord {
 pub struct ListFilter {
     pub state: Option<MessageState>,
     pub source: Option<String>,
-    /// Exact ordering key (payment or source-scoped transaction).
-    pub ordering_key: Option<String>,
+    /// Exact ordering keys (a payment's, or a transaction's in one or several sources): a
+    /// message with any of them. An empty list selects nothing.
+    pub ordering_keys: Option<Vec<String>>,
     pub created_from: Option<Millis>,
     pub created_to: Option<Millis>,
     /// Return ids strictly greater than this one (ascending id = acceptance order).
@@ -574,9 +582,9 @@ pub fn matches_filter(record: &MessageRecord, filter: &ListFilter) -> bool {
             .as_ref()
             .is_none_or(|s| m.source.as_ref() == Some(s))
         && filter
-            .ordering_key
+            .ordering_keys
             .as_ref()
-            .is_none_or(|k| *k == m.ordering_key)
+            .is_none_or(|keys| keys.contains(&m.ordering_key))
         && filter.created_from.is_none_or(|f| m.created_at >= f)
         && filter.created_to.is_none_or(|t| m.created_at <= t)
 }

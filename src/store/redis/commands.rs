@@ -158,6 +158,7 @@ pub(super) async fn accept(
             response: stored_response_text(stored)?,
         }),
         [c] if c == "conflict" => Ok(AcceptOutcome::Conflict),
+        [r] if r == "reused" => Ok(AcceptOutcome::SignatureReused),
         [t, from] if t == "transition" => {
             Ok(AcceptOutcome::InvalidTransition { from: from.clone() })
         }

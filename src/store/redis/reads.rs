@@ -90,8 +90,11 @@ async fn scan_ids(
         Some(state) => std::slice::from_ref(state),
         None => &MessageState::ALL,
     };
-    let groups: Vec<Vec<String>> = match &filter.ordering_key {
-        Some(k) => vec![vec![store.keys.of_ordering_key(k).index_of_key(k)]],
+    let groups: Vec<Vec<String>> = match &filter.ordering_keys {
+        Some(keys) => keys
+            .iter()
+            .map(|k| vec![store.keys.of_ordering_key(k).index_of_key(k)])
+            .collect(),
         None => store
             .keys
             .all()

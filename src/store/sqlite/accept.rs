@@ -18,6 +18,18 @@ pub(super) fn accept(
     retention_ms: i64,
     payment_retention_ms: i64,
 ) -> Result<AcceptOutcome, StoreError> {
+    let claim = &req.dedupe;
+    let existing: Option<(String, String, Millis)> = conn
+        .prepare_cached(
+            "SELECT fingerprint, response, expires_at FROM dedupe_claims \
+             WHERE key = ?1 AND expires_at > ?2",
+        )
+        .db()?
+        .query_row(params![claim.key, now], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .optional()
+        .db()?;
     if let Some(seal) = &req.seal {
         let first: Option<String> = conn
             .prepare_cached("SELECT response FROM seals WHERE key = ?1 AND expires_at > ?2")
@@ -25,24 +37,23 @@ pub(super) fn accept(
             .query_row(params![seal.key, now], |r| r.get(0))
             .optional()
             .db()?;
+        // The seal holds the answer of the claim its signature was accepted under, which
+        // names that claim's message: any other claim is the same signed bytes re-posted
+        // under another dedupe key.
         if let Some(response) = first {
-            return Ok(AcceptOutcome::Replayed { response });
+            return Ok(match &existing {
+                Some((_, claimed, _)) if *claimed == response => {
+                    AcceptOutcome::Replayed { response }
+                }
+                _ => AcceptOutcome::SignatureReused,
+            });
         }
     }
-    let claim = &req.dedupe;
-    let existing: Option<(String, String)> = conn
-        .prepare_cached(
-            "SELECT fingerprint, response FROM dedupe_claims WHERE key = ?1 AND expires_at > ?2",
-        )
-        .db()?
-        .query_row(params![claim.key, now], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()
-        .db()?;
-    if let Some((fingerprint, response)) = existing {
+    if let Some((fingerprint, response, claim_ends)) = existing {
         if fingerprint != claim.fingerprint {
             return Ok(AcceptOutcome::Conflict);
         }
-        seal(conn, req, &response)?;
+        seal(conn, req, &response, claim_ends)?;
         return Ok(AcceptOutcome::Replayed { response });
     }
     let expires_at = now.saturating_add(secs_to_ms(claim.ttl_secs));
@@ -83,7 +94,7 @@ pub(super) fn accept(
         expires_at
     ])
     .db()?;
-    seal(conn, req, &claim.response)?;
+    seal(conn, req, &claim.response, expires_at)?;
 
     let msg = &req.message;
     let pending = msg.target_url.is_some();
@@ -117,14 +128,20 @@ pub(super) fn accept(
     Ok(AcceptOutcome::Accepted)
 }
 
-/// Remembers a signature's first answer until the signature could no longer be accepted.
-fn seal(conn: &Connection, req: &AcceptRequest, response: &str) -> Result<(), StoreError> {
+/// Remembers a signature's first answer, that of the claim it was accepted under, until the
+/// signature could no longer be accepted or that claim ends, whichever comes first.
+fn seal(
+    conn: &Connection,
+    req: &AcceptRequest,
+    response: &str,
+    claim_ends: Millis,
+) -> Result<(), StoreError> {
     if let Some(seal) = &req.seal {
         conn.prepare_cached(
             "INSERT OR REPLACE INTO seals (key, response, expires_at) VALUES (?1, ?2, ?3)",
         )
         .db()?
-        .execute(params![seal.key, response, seal.expires_at])
+        .execute(params![seal.key, response, seal.expires_at.min(claim_ends)])
         .db()?;
     }
     Ok(())

@@ -100,8 +100,16 @@ pub(super) fn list(conn: &Connection, filter: &ListFilter) -> Result<Page, Store
     if let Some(source) = &filter.source {
         bind(&mut sql, "source =", SqlValue::Text(source.clone()));
     }
-    if let Some(key) = &filter.ordering_key {
-        bind(&mut sql, "ordering_key =", SqlValue::Text(key.clone()));
+    if let Some(keys) = &filter.ordering_keys {
+        let mut placeholders = Vec::with_capacity(keys.len());
+        for key in keys {
+            args.push(SqlValue::Text(key.clone()));
+            placeholders.push(format!("?{}", args.len()));
+        }
+        sql.push_str(&format!(
+            " AND ordering_key IN ({})",
+            placeholders.join(", ")
+        ));
     }
     args.push(SqlValue::Integer(limit as i64 + 1));
     sql.push_str(&format!(" ORDER BY id LIMIT ?{}", args.len()));

@@ -98,7 +98,7 @@ fn sealed(dedupe_key: &str, seal: &str, expires_at: Millis, now: Millis) -> Acce
 }
 
 #[test]
-fn a_signature_answers_first_while_it_could_verify() {
+fn a_signature_answers_for_its_own_dedupe_key_while_it_could_verify() {
     let mut m = Model::new(LIFETIMES);
     let until = T0 + 600_000;
     let first = sealed("tx-1/COMPLETED", "sig-1", until, T0);
@@ -106,26 +106,59 @@ fn a_signature_answers_first_while_it_could_verify() {
     let answer = AcceptOutcome::Replayed {
         response: first.dedupe.response.clone(),
     };
-    // Another dedupe key (an unsigned header changed), even another fingerprint: the seal
-    // answers before the claim is looked at.
-    let mut reposted = sealed("tx-1/REFUNDED", "sig-1", until, T0 + 1);
-    reposted.dedupe.fingerprint = "other".into();
-    assert_eq!(accept(&mut m, &reposted, T0 + 1), answer);
+    // The same signature and dedupe key, even another fingerprint: the seal answers first.
+    let mut again = sealed("tx-1/COMPLETED", "sig-1", until, T0 + 1);
+    again.dedupe.fingerprint = "other".into();
+    assert_eq!(accept(&mut m, &again, T0 + 1), answer);
+    // Another dedupe key (an unsigned header changed): refused, and nothing recorded, no key
+    // claimed: the real event, signed again, is accepted.
+    let reposted = sealed("tx-1/REFUNDED", "sig-1", until, T0 + 2);
+    assert_eq!(
+        accept(&mut m, &reposted, T0 + 2),
+        AcceptOutcome::SignatureReused
+    );
     assert!(m.message(&reposted.message.id).is_none());
-    // A replay of the claim with a new signature seals that signature to the same answer.
-    let retry = sealed("tx-1/COMPLETED", "sig-2", until, T0 + 2);
-    assert_eq!(accept(&mut m, &retry, T0 + 2), answer);
-    let again = sealed("tx-1/REFUNDED", "sig-2", until, T0 + 3);
-    assert_eq!(accept(&mut m, &again, T0 + 3), answer);
+    let resigned = sealed("tx-1/REFUNDED", "sig-9", until, T0 + 3);
+    assert_eq!(accept(&mut m, &resigned, T0 + 3), AcceptOutcome::Accepted);
+    // A replay of the claim with a new signature seals that signature to the same answer;
+    // under another claim that signature is refused, even where that claim lives.
+    let retry = sealed("tx-1/COMPLETED", "sig-2", until, T0 + 4);
+    assert_eq!(accept(&mut m, &retry, T0 + 4), answer);
+    let elsewhere = sealed("tx-1/REFUNDED", "sig-2", until, T0 + 5);
+    assert_eq!(
+        accept(&mut m, &elsewhere, T0 + 5),
+        AcceptOutcome::SignatureReused
+    );
     // A conflict seals nothing.
-    let mut conflict = sealed("tx-1/COMPLETED", "sig-3", until, T0 + 4);
+    let mut conflict = sealed("tx-1/COMPLETED", "sig-3", until, T0 + 6);
     conflict.dedupe.fingerprint = "other".into();
-    assert_eq!(accept(&mut m, &conflict, T0 + 4), AcceptOutcome::Conflict);
-    let fresh = sealed("tx-1/REFUNDED", "sig-3", until, T0 + 5);
-    assert_eq!(accept(&mut m, &fresh, T0 + 5), AcceptOutcome::Accepted);
+    assert_eq!(accept(&mut m, &conflict, T0 + 6), AcceptOutcome::Conflict);
+    let fresh = sealed("tx-1/OTHER", "sig-3", until, T0 + 7);
+    assert_eq!(accept(&mut m, &fresh, T0 + 7), AcceptOutcome::Accepted);
     // Once the signature could no longer verify, its seal is gone.
-    let later = sealed("tx-1/OTHER", "sig-1", until + 600_000, until);
+    let later = sealed("tx-1/LATER", "sig-1", until + 600_000, until);
     assert_eq!(accept(&mut m, &later, until), AcceptOutcome::Accepted);
+}
+
+#[test]
+fn a_seal_ends_with_its_claim_at_the_latest() {
+    let mut m = Model::new(LIFETIMES);
+    let claim_ends = T0 + TTL_SECS as Millis * 1000;
+    let first = request("tx-1/COMPLETED", new_message("src/payzu/tx-1", T0));
+    assert_eq!(accept(&mut m, &first, T0), AcceptOutcome::Accepted);
+    // A signature that would verify past the claim (hmac-sha256 has no timestamp), sealed by
+    // a replay a day before the claim ends.
+    let replayed_at = claim_ends - 86_400_000;
+    let forever = claim_ends + 30 * 86_400_000;
+    let resigned = sealed("tx-1/COMPLETED", "sig-1", forever, replayed_at);
+    assert!(matches!(
+        accept(&mut m, &resigned, replayed_at),
+        AcceptOutcome::Replayed { .. }
+    ));
+    // Past the claim's end the seal is gone with it: the same bytes are a new event, as for
+    // a signature first accepted then.
+    let after = sealed("tx-1/COMPLETED", "sig-1", forever, claim_ends);
+    assert_eq!(accept(&mut m, &after, claim_ends), AcceptOutcome::Accepted);
 }
 
 fn notification(payment_id: &str, to: &str, from: &[&str], now: Millis) -> AcceptRequest {

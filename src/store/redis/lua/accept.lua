@@ -14,39 +14,48 @@
 -- Lifetimes are decided by the caller's clock (expiry.lua): a string past its end is treated
 -- as absent, and the sweeper deletes it.
 local now = tonumber(ARGV[6])
-local function seal(response)
-  if ARGV[12] ~= '' then
-    put(KEYS[8], KEYS[9], response, tonumber(ARGV[12]), now)
-  end
-end
-if ARGV[12] ~= '' then
-  local first = live(KEYS[9], now)
-  if first then return {'dup', first} end
-end
+-- The live claim of this request's dedupe key: its fingerprint, stored response and end.
 local claim = redis.call('GET', KEYS[1])
 local accepted, claim_ends = compact_claim(claim)
+local claim_fingerprint, claim_response
 if accepted then
   if claim_ends > now then
     -- It was written only for an empty fingerprint and the answer naming the derived id,
     -- rebuilt here in the stored-response form of that id (keys.rs).
-    if ARGV[2] ~= '' then
-      return {'conflict'}
-    end
-    local response = '#' .. string.format('%012x', accepted) .. ARGV[14]
-    seal(response)
-    return {'dup', response}
+    claim_fingerprint = ''
+    claim_response = '#' .. string.format('%012x', accepted) .. ARGV[14]
   end
 else
   local existing = live_payload(claim, now)
   if existing then
     local sep = string.find(existing, '\n', 1, true)
-    if string.sub(existing, 1, sep - 1) ~= ARGV[2] then
-      return {'conflict'}
-    end
-    local response = string.sub(existing, sep + 1)
-    seal(response)
-    return {'dup', response}
+    claim_fingerprint = string.sub(existing, 1, sep - 1)
+    claim_response = string.sub(existing, sep + 1)
+    claim_ends = end_of(claim)
   end
+end
+-- A live seal holds the answer of the claim its signature was accepted under, which names
+-- that claim's message: the same answer is a replay; anything else is the same signed bytes
+-- under another dedupe key, refused with nothing written.
+if ARGV[12] ~= '' then
+  local first = live(KEYS[9], now)
+  if first then
+    if first == claim_response then return {'dup', first} end
+    return {'reused'}
+  end
+end
+-- A seal ends with its claim at the latest, so a live seal's claim is live.
+local function seal(response, ends)
+  if ARGV[12] ~= '' then
+    put(KEYS[8], KEYS[9], response, math.min(tonumber(ARGV[12]), ends), now)
+  end
+end
+if claim_response then
+  if claim_fingerprint ~= ARGV[2] then
+    return {'conflict'}
+  end
+  seal(claim_response, claim_ends)
+  return {'dup', claim_response}
 end
 if ARGV[8] ~= '' then
   local current = live(KEYS[7], now) or 'undefined'
@@ -66,7 +75,7 @@ if ARGV[15] ~= '' then
 else
   put(KEYS[8], KEYS[1], ARGV[2] .. '\n' .. ARGV[3], claim_until, now)
 end
-seal(ARGV[3])
+seal(ARGV[3], claim_until)
 -- The other fields start at their defaults, which an absent field means.
 if ARGV[7] == 'pending' then
   redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13])
