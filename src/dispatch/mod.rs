@@ -4,10 +4,12 @@
 //! Nothing about a retry lives only in memory: the next attempt time is in the store, so a
 //! crash or restart loses nothing, and a worker that dies mid-delivery loses only its lease.
 //! Backpressure: a global semaphore (`dispatch.concurrency`) bounds in-flight deliveries, and
-//! a per-host one keeps a slow gateway from taking every permit. A claim takes at most one
-//! host's worth of messages, and a claimed message waits briefly for a slot to its host.
+//! per-host slots (`hosts.rs`) keep a slow gateway from taking them: a claimed message takes a
+//! global permit only once it holds a slot to its host. A claim takes at most one host's
+//! worth of messages, and no more than the waiting room for slots can hold.
 
 pub mod delivery;
+mod hosts;
 pub mod schedule;
 pub mod ssrf;
 
@@ -28,6 +30,7 @@ use crate::metrics as m;
 use crate::stats::DeliveryStats;
 use crate::store::{DeliveryAttempt, Lease, MessageKind, Store};
 use delivery::{AttemptResult, Verdict};
+use hosts::{Admission, HOST_WAIT, Hosts, Slot};
 
 /// How long an idle worker waits before polling the store again. Work accepted by this
 /// process wakes it at once; this only bounds the delay for work accepted by other processes
@@ -35,12 +38,6 @@ use delivery::{AttemptResult, Verdict};
 const IDLE_POLL: Duration = Duration::from_millis(100);
 /// Most messages leased in one claim.
 const CLAIM_BATCH: usize = 256;
-/// How long a claimed message waits for a slot to its host before going back to the queue.
-const HOST_WAIT: Duration = Duration::from_millis(500);
-/// When its host stayed at its concurrency cap, a message goes back to the queue for this long.
-const HOST_BUSY_DELAY_MS: i64 = 250;
-/// Hosts whose semaphores are remembered; beyond that the idle ones are forgotten.
-const MAX_TRACKED_HOSTS: usize = 10_000;
 
 pub struct Dispatcher {
     store: Arc<dyn Store>,
@@ -51,7 +48,7 @@ pub struct Dispatcher {
     open: reqwest::Client,
     settings: DispatchSettings,
     permits: Arc<Semaphore>,
-    hosts: Mutex<HashMap<String, Arc<Semaphore>>>,
+    hosts: Hosts,
     /// Each source's forward headers, signing key and SSRF policy.
     sources: Sources,
     /// Claims being delivered, so shutdown can hand their leases back.
@@ -93,7 +90,7 @@ impl Dispatcher {
             open: client(true)?,
             permits: Arc::new(Semaphore::new(d.concurrency)),
             settings: d.clone(),
-            hosts: Mutex::new(HashMap::new()),
+            hosts: Hosts::new(d.per_host_concurrency, d.concurrency),
             sources: settings.sources.clone(),
             in_flight: Mutex::new(HashMap::new()),
             wake,
@@ -117,6 +114,7 @@ impl Dispatcher {
         let free = self
             .permits
             .available_permits()
+            .min(self.hosts.room())
             .min(CLAIM_BATCH)
             .min(self.settings.per_host_concurrency);
         if free == 0 {
@@ -136,21 +134,40 @@ impl Dispatcher {
         };
         let count = claimed.len();
         for c in claimed {
-            // Only this loop takes permits, and it asked for at most the free ones; a
-            // claimed message beyond them (a store answering more than asked) waits.
-            let permit = match self.permits.clone().try_acquire_owned() {
-                Ok(p) => p,
-                Err(_) => match self.permits.clone().acquire_owned().await {
-                    Ok(p) => p,
-                    Err(_) => return count,
-                },
+            let Some(url) = c.message.target_url.clone() else {
+                continue;
             };
             self.track(&c);
             let this = Arc::clone(self);
             let span = tracing::info_span!("delivery", message_id = %c.message.id, attempt = c.attempts + 1);
-            tasks.spawn(async move { this.deliver(c, permit).await }.instrument(span));
+            let work = async move {
+                let slot = match this.hosts.admit(&url) {
+                    Admission::Send(slot) => slot,
+                    Admission::Wait(waiter) => match waiter.slot(HOST_WAIT).await {
+                        Ok(slot) => slot,
+                        Err(delay) => return this.send_back(&c, delay).await,
+                    },
+                    Admission::Defer(delay) => return this.send_back(&c, delay).await,
+                };
+                // Claims ask for at most the free permits, so one is free unless waiters
+                // that got their slots took it first.
+                let Ok(permit) = this.permits.clone().acquire_owned().await else {
+                    return this.untrack(&c);
+                };
+                this.deliver(c, url, permit, slot).await;
+            };
+            tasks.spawn(work.instrument(span));
         }
         count
+    }
+
+    /// Gives a lease back whose host has no slot for it, due again after `delay`.
+    async fn send_back(&self, c: &Lease, delay: Duration) {
+        let due = self.clock.now_ms() + delay.as_millis() as i64;
+        if let Err(e) = self.store.release(c, due).await {
+            tracing::warn!(error = %e, "cannot give back a lease for a busy host; it expires by itself");
+        }
+        self.untrack(c);
     }
 
     /// Claims and delivers everything due at the clock's current time, and waits for it.
@@ -224,47 +241,9 @@ impl Dispatcher {
         }
     }
 
-    /// Waits up to [`HOST_WAIT`] for a delivery slot to the URL's host. A gateway that is
-    /// merely busy gets its messages delivered as slots free up; one that is slow makes its
-    /// messages go back to the queue instead of holding workers the other hosts need.
-    async fn host_permit(&self, url: &str) -> Option<OwnedSemaphorePermit> {
-        // host:port, so two services on one machine are two targets.
-        let host = reqwest::Url::parse(url)
-            .ok()
-            .and_then(|u| {
-                let port = u.port_or_known_default().unwrap_or(0);
-                u.host_str().map(|h| format!("{h}:{port}"))
-            })
-            .unwrap_or_default();
-        let semaphore = {
-            let mut hosts = self.hosts.lock().ok()?;
-            if hosts.len() >= MAX_TRACKED_HOSTS {
-                hosts.retain(|_, s| s.available_permits() < self.settings.per_host_concurrency);
-            }
-            hosts
-                .entry(host)
-                .or_insert_with(|| Arc::new(Semaphore::new(self.settings.per_host_concurrency)))
-                .clone()
-        };
-        tokio::time::timeout(HOST_WAIT, semaphore.acquire_owned())
-            .await
-            .ok()?
-            .ok()
-    }
-
-    async fn deliver(&self, c: Lease, _permit: OwnedSemaphorePermit) {
-        let Some(url) = c.message.target_url.clone() else {
-            self.untrack(&c);
-            return;
-        };
-        let Some(_host_permit) = self.host_permit(&url).await else {
-            let _ = self
-                .store
-                .release(&c, self.clock.now_ms() + HOST_BUSY_DELAY_MS)
-                .await;
-            self.untrack(&c);
-            return;
-        };
+    /// Delivers `c` to `url` and records the outcome, holding a global permit and a slot
+    /// to the host until it is recorded.
+    async fn deliver(&self, c: Lease, url: String, _permit: OwnedSemaphorePermit, _slot: Slot) {
         let forward = match &self.alerts {
             // Alerts are signed with the alert secret, so the receiver can trust them.
             Some(alerts) if is_alert(&c.message) => ForwardSettings {

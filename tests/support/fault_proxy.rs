@@ -26,6 +26,9 @@ pub enum Fault {
     /// Relays this many more bytes from the server to the client on each connection, then
     /// closes it: a reply cut mid-frame.
     CutAfter(usize),
+    /// Relays this many more bytes from the client to the server on each connection, then
+    /// resets both: a reset in the middle of a request body.
+    ResetAfter(usize),
     /// Relays the server's bytes one at a time, one per this interval.
     Trickle(Duration),
     /// The connections open now go silent for good (a NAT or firewall that dropped their
@@ -108,7 +111,7 @@ async fn relay(client: TcpStream, upstream: SocketAddr, mut faults: watch::Recei
     let _ = server.set_nodelay(true);
     let (mut client, mut server) = (client, server);
     let mut stranded = false;
-    // Bytes relayed from the server since the current fault began, for `CutAfter`.
+    // Bytes relayed since the current fault began, for `CutAfter` and `ResetAfter`.
     let mut relayed_in_fault = 0usize;
     let mut fault_epoch = opened_in;
     let (mut up, mut down) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
@@ -151,8 +154,19 @@ async fn relay(client: TcpStream, upstream: SocketAddr, mut faults: watch::Recei
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
-                if let Fault::Latency(delay) = fault {
-                    tokio::time::sleep(delay).await;
+                match fault {
+                    Fault::Latency(delay) => tokio::time::sleep(delay).await,
+                    Fault::ResetAfter(limit) => {
+                        let allowed = limit.saturating_sub(relayed_in_fault).min(n);
+                        let _ = server.write_all(&up[..allowed]).await;
+                        relayed_in_fault += allowed;
+                        if relayed_in_fault >= limit {
+                            reset(server);
+                            return reset(client);
+                        }
+                        continue;
+                    }
+                    _ => {}
                 }
                 if server.write_all(&up[..n]).await.is_err() {
                     return;
