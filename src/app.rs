@@ -1,13 +1,14 @@
 //! The state every handler and the dispatcher share, built once from the config.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
 use crate::config::{Config, Settings};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 pub struct App {
     /// The typed settings derived from the config, once.
@@ -24,6 +25,9 @@ pub struct App {
     pub body_budget: Arc<Semaphore>,
     /// Deliveries and failures per minute made by this process, for the console's chart.
     pub deliveries: Arc<crate::stats::DeliveryStats>,
+    /// When the store last answered a ping (the app clock's ms): `/healthz` fails once it is
+    /// older than `store.healthz_fails_after_secs`.
+    pub store_answered_at: AtomicI64,
 }
 
 impl App {
@@ -41,6 +45,7 @@ impl App {
     pub fn with_settings(settings: Settings, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> App {
         App {
             body_budget: Arc::new(Semaphore::new(settings.server.max_buffered_bytes)),
+            store_answered_at: AtomicI64::new(clock.now_ms()),
             settings,
             store,
             clock,
@@ -49,5 +54,34 @@ impl App {
             shutting_down: CancellationToken::new(),
             deliveries: Arc::default(),
         }
+    }
+}
+
+/// How often the store is pinged for `/healthz`.
+const STORE_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl App {
+    /// Pings the store every second until `shutdown`, noting when it last answered. A full
+    /// store answers too: what `/healthz` asks is whether the connection still works.
+    pub async fn watch_store(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            if matches!(self.store.ping().await, Ok(()) | Err(StoreError::Full(_))) {
+                self.store_answered_at
+                    .store(self.clock.now_ms(), Ordering::Relaxed);
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(STORE_WATCH_INTERVAL) => {}
+            }
+        }
+    }
+
+    /// How long the store has gone without answering, once that is longer than
+    /// `store.healthz_fails_after_secs`.
+    pub fn store_silent_for(&self) -> Option<std::time::Duration> {
+        let limit = self.settings.store.healthz_fails_after?;
+        let since = self.clock.now_ms() - self.store_answered_at.load(Ordering::Relaxed);
+        let silent = std::time::Duration::from_millis(u64::try_from(since).unwrap_or(0));
+        (silent > limit).then_some(silent)
     }
 }

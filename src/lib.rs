@@ -147,6 +147,7 @@ pub async fn serve(
 ) -> Result<(), StartError> {
     let server = &app.settings.server;
     let grace = server.shutdown_grace;
+    tokio::spawn(app.clone().watch_store(shutdown.clone()));
     let sweeper = tokio::spawn(store::sweeper::run(
         app.store.clone(),
         app.clock.clone(),

@@ -228,3 +228,42 @@ async fn a_silent_store_connection_is_replaced() {
         tx - 1
     );
 }
+
+/// A store that stays silent (a blackhole that never heals, whatever connections are
+/// opened) fails `/healthz` after `store.healthz_fails_after_secs`, so that an orchestrator
+/// restarts the process; once the store answers again, `/healthz` is 200 again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_once_the_store_has_been_silent_for_long() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let mut cfg = config(&format!("redis://127.0.0.1:{}/0", proxy.port), None);
+    cfg.store.timeout_ms = TIMEOUT_MS;
+    cfg.store.healthz_fails_after_secs = 2;
+    let server = TestServer::start(cfg).await;
+    let healthz = || async {
+        let r = server
+            .client
+            .get(format!("{}/healthz", server.url))
+            .send()
+            .await
+            .expect("healthz answers");
+        r.status().as_u16()
+    };
+    assert_eq!(healthz().await, 200);
+    proxy.set(Fault::Blackhole);
+    let silent = Instant::now();
+    eventually(20, "healthz fails", || async {
+        (healthz().await == 503).then_some(())
+    })
+    .await;
+    // Its last answer came at most one ping interval (1 s) before the blackhole.
+    assert!(
+        silent.elapsed() >= Duration::from_secs(1),
+        "not before the store was silent for the configured time"
+    );
+    proxy.set(Fault::Pass);
+    eventually(20, "healthz passes again", || async {
+        (healthz().await == 200).then_some(())
+    })
+    .await;
+}

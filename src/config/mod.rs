@@ -136,6 +136,9 @@ pub struct StoreConfig {
     /// Queue partitions of a new store (1 to 256; unset: 64). Fixed when the store is first
     /// used and recorded in it; when set, a store recording another count refuses to start.
     pub partitions: Option<u16>,
+    /// How long the store may go without answering before `/healthz` fails, so that an
+    /// orchestrator restarts the process with every connection new; 0 never fails it.
+    pub healthz_fails_after_secs: u64,
 }
 
 impl Default for StoreConfig {
@@ -152,6 +155,7 @@ impl Default for StoreConfig {
             tls_cert_file: None,
             tls_key_file: None,
             min_replicas_acked: 0,
+            healthz_fails_after_secs: 300,
             partitions: None,
         }
     }

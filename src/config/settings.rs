@@ -73,6 +73,8 @@ pub struct StoreSettings {
     /// `store.partitions` when set; `None` keeps the store's own count (the default for a new
     /// store).
     pub partitions: Option<Partitions>,
+    /// How long the store may go unanswered before `/healthz` fails; `None`: never.
+    pub healthz_fails_after: Option<Duration>,
 }
 
 /// `[dispatch]`.
@@ -170,6 +172,8 @@ impl Settings {
             redis: config.redis_options()?,
             min_replicas_acked: store.min_replicas_acked,
             partitions: config.partitions()?,
+            healthz_fails_after: (store.healthz_fails_after_secs > 0)
+                .then(|| Duration::from_secs(store.healthz_fails_after_secs)),
         };
         let dispatch = DispatchSettings {
             enabled: dispatch.enabled,

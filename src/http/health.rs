@@ -11,10 +11,28 @@ use serde_json::{Value, json};
 use crate::app::App;
 use crate::http::error::{ApiError, ErrorBody};
 use crate::metrics as m;
+use crate::store::StoreError;
 
-/// Liveness: the process is up and serving HTTP.
-#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "Alive", body = Object)), tag = "ops")]
-pub async fn healthz() -> Json<Value> {
+/// Liveness: the process is up and serving HTTP, and its store has answered within
+/// `store.healthz_fails_after_secs`. A store silent for that long is failed here so that an
+/// orchestrator restarts the process, with every connection new.
+#[utoipa::path(get, path = "/healthz", responses(
+    (status = 200, description = "Alive", body = Object),
+    (status = 503, description = "The store has not answered for `store.healthz_fails_after_secs` (`store_unavailable`)", body = ErrorBody),
+), tag = "ops")]
+pub async fn healthz(State(app): State<Arc<App>>) -> Result<Json<Value>, ApiError> {
+    if let Some(silent) = app.store_silent_for() {
+        return Err(ApiError::Unavailable(StoreError::Unreachable(format!(
+            "the store has not answered for {} s (store.healthz_fails_after_secs): restart \
+             this process to replace every connection",
+            silent.as_secs()
+        ))));
+    }
+    Ok(alive())
+}
+
+/// What `/healthz` answers when the process is alive.
+pub fn alive() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
