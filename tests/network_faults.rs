@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use support::fault_proxy::{Fault, FaultProxy};
 use support::redis::RedisServer;
+use support::redis::cluster::cluster_port;
 use support::sink::Sink;
 use support::{TestServer, config, eventually};
 use tokio::sync::Mutex;
@@ -266,4 +267,105 @@ async fn healthz_fails_once_the_store_has_been_silent_for_long() {
         (healthz().await == 200).then_some(())
     })
     .await;
+}
+
+/// Three cluster masters, each announcing a fault proxy in front of it as its address, so
+/// that every connection of the cluster client goes through one.
+async fn cluster_behind_proxies() -> (Vec<RedisServer>, Vec<FaultProxy>) {
+    let ports: Vec<u16> = (0..3).map(|_| cluster_port()).collect();
+    let mut proxies = Vec::new();
+    for &port in &ports {
+        proxies.push(FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], port))).await);
+    }
+    let nodes: Vec<RedisServer> = ports
+        .iter()
+        .zip(&proxies)
+        .map(|(&port, proxy)| {
+            let bus = (port + 10_000).to_string();
+            let announced = proxy.port.to_string();
+            RedisServer::try_start_on(
+                port,
+                "always",
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-port",
+                    &bus,
+                    "--cluster-announce-port",
+                    &announced,
+                    "--cluster-announce-bus-port",
+                    &bus,
+                    "--cluster-config-file",
+                    "nodes.conf",
+                ],
+                false,
+            )
+            .expect("a cluster node starts")
+        })
+        .collect();
+    let created = std::process::Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .expect("redis-cli --cluster create");
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stdout)
+    );
+    eventually(30, "every node sees the cluster ok", || async {
+        nodes
+            .iter()
+            .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+            .then_some(())
+    })
+    .await;
+    (nodes, proxies)
+}
+
+/// The same defect on a Redis Cluster: the cluster client reconnects a node after a dropped
+/// connection, not after a silent one. With one master's connection stranded, callbacks of its
+/// partitions get 503 only until the cluster connection is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_cluster_node_connection_is_replaced() {
+    let (_nodes, proxies) = cluster_behind_proxies().await;
+    let mut cfg = config(&format!("redis://127.0.0.1:{}/0", proxies[0].port), None);
+    cfg.store.timeout_ms = TIMEOUT_MS;
+    let server = TestServer::start(cfg).await;
+    // Enough callbacks in a row that each master's partitions are written to.
+    let all_accepted = |from: usize| {
+        let server = &server;
+        async move {
+            for tx in from..from + 30 {
+                if post(server, tx).await.is_none() {
+                    return false;
+                }
+            }
+            true
+        }
+    };
+    assert!(
+        all_accepted(0).await,
+        "the cluster accepts before the fault"
+    );
+    let opened = proxies[1].accepted();
+    proxies[1].set(Fault::Strand);
+    let stranded = Instant::now();
+    let mut from = 1_000;
+    while !all_accepted(from).await {
+        from += 1_000;
+        assert!(
+            stranded.elapsed() < Duration::from_secs(20),
+            "a master's partitions still refused 20 s after its connection went silent"
+        );
+    }
+    assert!(
+        proxies[1].accepted() > opened,
+        "a new connection to that master"
+    );
+    println!(
+        "every partition accepts again {:?} after a master's connection went silent",
+        stranded.elapsed()
+    );
 }

@@ -20,8 +20,6 @@
 //! Keyless commands inside a pipeline (`WAIT`, `TIME`, `MULTI`/`EXEC`) follow the pipeline's
 //! keyed commands to their master, so a `WAIT` always waits for the write it follows.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures_util::{StreamExt, stream};
@@ -33,6 +31,7 @@ use redis::cluster_routing::{
 };
 use redis::{Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisResult, Value};
 
+use super::replaceable::{Replaceable, broken_cluster_connection, broken_server_connection};
 use super::{RedisStore, RedisTls, decode, redacted_url, unavailable};
 use crate::store::StoreError;
 
@@ -45,94 +44,11 @@ const FAN_OUT: usize = 32;
 pub(super) enum Connection {
     /// One server (with whatever replicas it has): a reconnecting manager, so a Redis restart
     /// costs the requests in flight at that moment (503, the sender retries), not the process;
-    /// replaced when it goes silent ([`Single`]).
-    Single(Single),
-    /// A Redis Cluster: connections to every master, refreshed as slots move.
-    Cluster(ClusterConnection),
-}
-
-/// The connection to one server, replaced once it stops answering. The redis crate's manager
-/// reconnects only after errors it deems fatal, and neither a response timeout nor a reply
-/// cut mid-frame is one: a flow that a partition or a NAT silently dropped (no FIN, no RST)
-/// would fail every call with a timeout until the kernel gave up on the socket, about 15
-/// minutes, and a cut reply fails every later call at once, for good. So such a failure opens
-/// a new connection beside it, one at a time however many calls timed out together, and calls go to
-/// the new one as soon as it answers. Keepalive and `TCP_USER_TIMEOUT` (`tcp_settings`) make
-/// the kernel notice a dead flow too, on connections with nothing in flight.
-#[derive(Clone)]
-pub(super) struct Single {
-    shared: Arc<SingleShared>,
-}
-
-struct SingleShared {
-    client: redis::Client,
-    config: ConnectionManagerConfig,
-    timeout: Duration,
-    current: RwLock<ConnectionManager>,
-    replacing: AtomicBool,
-}
-
-impl Single {
-    fn connection(&self) -> ConnectionManager {
-        self.shared
-            .current
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
-    }
-
-    /// Sends one round trip; a failure of the connection itself starts its replacement.
-    async fn send<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
-        let reply = send(&mut self.connection(), request).await;
-        if let Err(e) = &reply
-            && is_broken_connection(e)
-        {
-            self.replace();
-        }
-        reply
-    }
-
-    fn replace(&self) {
-        if self.shared.replacing.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let shared = self.shared.clone();
-        tokio::spawn(async move {
-            let opened = tokio::time::timeout(
-                shared.timeout,
-                ConnectionManager::new_with_config(shared.client.clone(), shared.config.clone()),
-            )
-            .await;
-            match opened {
-                Ok(Ok(fresh)) => {
-                    *shared
-                        .current
-                        .write()
-                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = fresh;
-                    tracing::warn!(
-                        "the Redis connection gave no answer within store.timeout_ms: \
-                         replaced it with a new one"
-                    );
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "cannot replace the silent Redis connection yet")
-                }
-                Err(_) => {
-                    tracing::warn!("cannot replace the silent Redis connection yet: no answer")
-                }
-            }
-            // A failed attempt is tried again at the next timeout.
-            shared.replacing.store(false, Ordering::Release);
-        });
-    }
-}
-
-/// Whether a failed call says the connection may be broken, not that the server refused the
-/// command: no answer in time, a reply that cannot be parsed (one cut mid-frame leaves the
-/// manager answering every later call with that parse error, never reconnecting), an I/O
-/// error.
-fn is_broken_connection(e: &redis::RedisError) -> bool {
-    e.is_timeout() || matches!(e.kind(), redis::ErrorKind::Parse | redis::ErrorKind::Io)
+    /// replaced when it goes silent or is left with a cut reply.
+    Single(Replaceable<ConnectionManager>),
+    /// A Redis Cluster: connections to every master, refreshed as slots move; replaced when
+    /// one goes silent.
+    Cluster(Replaceable<ClusterConnection>),
 }
 
 /// TCP settings of every store connection: keepalive probes after 10 s idle, every 5 s, and
@@ -235,15 +151,14 @@ impl Connection {
         .map_err(|_| no_answer())?
         .map_err(not_connected)?;
         if !is_cluster_node(&mut single).await? {
-            return Ok(Connection::Single(Single {
-                shared: Arc::new(SingleShared {
-                    client,
-                    config,
-                    timeout,
-                    current: RwLock::new(single),
-                    replacing: AtomicBool::new(false),
-                }),
-            }));
+            let open = move || ConnectionManager::new_with_config(client.clone(), config.clone());
+            return Ok(Connection::Single(Replaceable::new(
+                single,
+                "Redis",
+                timeout,
+                broken_server_connection,
+                open,
+            )));
         }
         let mut builder = ClusterClientBuilder::new([url])
             .connection_timeout(timeout)
@@ -257,14 +172,32 @@ impl Connection {
             .await
             .map_err(|_| no_answer())?
             .map_err(not_connected)?;
-        Ok(Connection::Cluster(conn))
+        let open = move || {
+            let cluster = cluster.clone();
+            async move { cluster.get_async_connection().await }
+        };
+        Ok(Connection::Cluster(Replaceable::new(
+            conn,
+            "Redis Cluster",
+            timeout,
+            broken_cluster_connection,
+            open,
+        )))
     }
 
     /// Sends one round trip: on a cluster, to the master of its keys' slot.
     pub(super) async fn query<T: FromRedisValue>(&self, request: Request<'_>) -> RedisResult<T> {
         match self {
-            Connection::Single(single) => single.send(request).await,
-            Connection::Cluster(conn) => send(&mut conn.clone(), request).await,
+            Connection::Single(single) => {
+                let reply = send(&mut single.get(), request).await;
+                single.check(&reply);
+                reply
+            }
+            Connection::Cluster(cluster) => {
+                let reply = send(&mut cluster.get(), request).await;
+                cluster.check(&reply);
+                reply
+            }
         }
     }
 
@@ -280,19 +213,22 @@ impl Connection {
     ) -> RedisResult<Vec<(Primary, RedisResult<Value>)>> {
         let conn = match self {
             Connection::Single(single) => {
-                let reply = single.send(cmd.into()).await;
+                let reply = cmd.query_async(&mut single.get()).await;
+                single.check(&reply);
                 return match reply {
                     Err(e) if !is_refusal(&e) => Err(e),
                     reply => Ok(vec![(Primary::Only, reply)]),
                 };
             }
-            Connection::Cluster(conn) => conn,
+            Connection::Cluster(cluster) => cluster,
         };
         let routing = RoutingInfo::MultiNode((
             MultipleNodeRoutingInfo::AllMasters,
             Some(ResponsePolicy::Special),
         ));
-        let replies = conn.clone().route_command(cmd.clone(), routing).await?;
+        let replies = conn.get().route_command(cmd.clone(), routing).await;
+        conn.check(&replies);
+        let replies = replies?;
         let Value::Map(replies) = replies else {
             return Err(redis::RedisError::from((
                 redis::ErrorKind::Parse,
@@ -327,13 +263,14 @@ impl Connection {
         cmd: &Cmd,
     ) -> RedisResult<T> {
         match (self, primary) {
-            (Connection::Cluster(conn), Primary::At { host, port }) => {
+            (Connection::Cluster(cluster), Primary::At { host, port }) => {
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
                     host: host.clone(),
                     port: *port,
                 });
-                let reply = conn.clone().route_command(cmd.clone(), routing).await?;
-                Ok(redis::from_redis_value(reply)?)
+                let reply = cluster.get().route_command(cmd.clone(), routing).await;
+                cluster.check(&reply);
+                Ok(redis::from_redis_value(reply?)?)
             }
             _ => self.query(cmd.into()).await,
         }

@@ -40,6 +40,7 @@ mod connection;
 mod keys;
 mod partitions;
 mod reads;
+mod replaceable;
 mod upgrade;
 
 use std::collections::HashMap;
