@@ -6,8 +6,9 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::app::App;
+use crate::clock::Millis;
 use crate::http::error::ApiError;
-use crate::store::{ListFilter, MessageId, MessageState};
+use crate::store::{ListFilter, MessageId, MessageRecord, lifecycle};
 
 /// Shaped like a resend's answer (nothing resent, no ids) plus the count, so a client that
 /// reads every resend answer the same way still reads this one right.
@@ -26,10 +27,9 @@ pub struct DryRunAnswer {
     pub more: bool,
 }
 
-/// Unknown ids and `recorded` messages (nothing to deliver to) are not counted, as a resend
-/// skips them.
-fn resendable(state: MessageState) -> bool {
-    state != MessageState::Recorded
+/// Unknown ids are not counted, nor what a resend skips (`lifecycle::resend_skips`).
+fn resendable(record: &MessageRecord, now: Millis) -> bool {
+    !lifecycle::resend_skips(record.state, record.ends_at, now)
 }
 
 pub async fn count(
@@ -40,10 +40,11 @@ pub async fn count(
     batch: usize,
 ) -> Result<DryRunAnswer, ApiError> {
     let mut would_resend = 0;
+    let now = app.clock.now_ms();
     if let Some(ids) = ids {
         for id in ids {
             if let Some(record) = app.store.get(id).await?
-                && resendable(record.state)
+                && resendable(&record, now)
                 // Ids are narrowed by the other filters, as in the resend itself.
                 && crate::store::matches_filter(&record, &filter)
             {
@@ -62,7 +63,7 @@ pub async fn count(
     loop {
         let page = app.store.list(&filter).await?;
         for record in page.messages {
-            if !resendable(record.state) {
+            if !resendable(&record, now) {
                 continue;
             }
             if would_resend >= max {

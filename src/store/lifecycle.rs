@@ -108,6 +108,7 @@ impl Message {
             history: self.history.clone(),
             history_total: self.history_total,
             delivery_attempts: self.attempts,
+            ends_at: self.ends_at,
         }
     }
 
@@ -490,6 +491,13 @@ pub fn release(model: &mut Model, lease: &Lease, next_at: Millis) -> bool {
 /// * `in_flight`: once more after the current attempt, with `fresh_deadline`
 ///   ([`ResendEffect::AfterCurrent`]);
 /// * `recorded`, unknown, or past its retention: nothing, no mark ([`ResendEffect::Skipped`]).
+/// Whether a resend at `now` skips a message: it has nothing to deliver to (`recorded`), or
+/// it finished and its retention ended, which makes it gone, swept or not. The resend dry run
+/// counts by this same rule.
+pub fn resend_skips(state: MessageState, ends_at: Option<Millis>, now: Millis) -> bool {
+    state == MessageState::Recorded || ends_at.is_some_and(|end| end <= now)
+}
+
 pub fn resend(
     model: &mut Model,
     id: &MessageId,
@@ -500,7 +508,7 @@ pub fn resend(
     let Some(m) = model.messages.get_mut(id) else {
         return ResendEffect::Skipped;
     };
-    if m.state == MessageState::Recorded || m.ended(now) {
+    if resend_skips(m.state, m.ends_at, now) {
         return ResendEffect::Skipped;
     }
     m.append_history(HistoryEntry::Resend(mark));

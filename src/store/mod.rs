@@ -391,6 +391,8 @@ pub struct MessageRecord {
     pub history_total: u64,
     /// Delivery attempts made so far.
     pub delivery_attempts: u32,
+    /// When a finished or recorded message ends: from then on it is gone, swept or not.
+    pub ends_at: Option<Millis>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -217,6 +217,7 @@ fn record(
         next_attempt_at: next_attempt_at.map(|s| s as Millis),
         history_total: field(fields, "hn").unwrap_or(history.len() as u64),
         delivery_attempts: field(fields, "tries").unwrap_or(0),
+        ends_at: field(fields, "end"),
         history,
         message,
     }))

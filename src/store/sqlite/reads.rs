@@ -12,7 +12,7 @@ use crate::store::{
 };
 
 const RECORD_COLUMNS: &str =
-    "id, message_json, state, deadline, due_at, history_total, delivery_attempts";
+    "id, message_json, state, deadline, due_at, history_total, delivery_attempts, expires_at";
 
 /// A record from a row of [`RECORD_COLUMNS`]; its history only when a connection is given
 /// (list pages never load histories).
@@ -37,6 +37,7 @@ fn record_from_row(
         },
         history_total: row.get::<_, i64>(5).db()?.max(0) as u64,
         delivery_attempts: row.get(6).db()?,
+        ends_at: row.get(7).db()?,
     })
 }
 
