@@ -479,6 +479,13 @@ pub fn release(model: &mut Model, lease: &Lease, next_at: Millis) -> bool {
     true
 }
 
+/// Whether a resend at `now` skips a message: it has nothing to deliver to (`recorded`), or
+/// it finished and its retention ended, which makes it gone, swept or not. The resend dry run
+/// counts by this same rule.
+pub fn resend_skips(state: MessageState, ends_at: Option<Millis>, now: Millis) -> bool {
+    state == MessageState::Recorded || ends_at.is_some_and(|end| end <= now)
+}
+
 /// Orders one more delivery and records the operator's `mark` in the history:
 ///
 /// * `delivered` / `dead`: `pending` again at the tail of its queue (due now if alone there),
@@ -491,13 +498,6 @@ pub fn release(model: &mut Model, lease: &Lease, next_at: Millis) -> bool {
 /// * `in_flight`: once more after the current attempt, with `fresh_deadline`
 ///   ([`ResendEffect::AfterCurrent`]);
 /// * `recorded`, unknown, or past its retention: nothing, no mark ([`ResendEffect::Skipped`]).
-/// Whether a resend at `now` skips a message: it has nothing to deliver to (`recorded`), or
-/// it finished and its retention ended, which makes it gone, swept or not. The resend dry run
-/// counts by this same rule.
-pub fn resend_skips(state: MessageState, ends_at: Option<Millis>, now: Millis) -> bool {
-    state == MessageState::Recorded || ends_at.is_some_and(|end| end <= now)
-}
-
 pub fn resend(
     model: &mut Model,
     id: &MessageId,
