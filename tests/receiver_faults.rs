@@ -77,16 +77,20 @@ async fn a_dead_gateway_does_not_slow_a_healthy_one() {
     assert_eq!(silent.count(), 0, "nothing reached the blackholed receiver");
 }
 
+async fn view(server: &TestServer, id: &str) -> Option<Value> {
+    server
+        .admin_get(&format!("/v1/messages/{id}"))
+        .await
+        .json()
+        .await
+        .ok()
+}
+
 /// Waits until the message's first attempt is recorded as a failure with no 2xx, then heals
 /// the receiver and waits until the message is delivered on a later attempt.
 async fn failed_then_delivered(server: &TestServer, proxy: &FaultProxy, id: &str) -> Value {
     let failed = eventually(30, "the first attempt recorded as failed", || async {
-        let view: Value = server
-            .admin_get(&format!("/v1/messages/{id}"))
-            .await
-            .json()
-            .await
-            .ok()?;
+        let view = view(server, id).await?;
         (view["attemptCount"].as_u64()? >= 1).then_some(view)
     })
     .await;
@@ -104,12 +108,7 @@ async fn failed_then_delivered(server: &TestServer, proxy: &FaultProxy, id: &str
     );
     proxy.set(Fault::Pass);
     let delivered = eventually(30, "delivered once the receiver is healthy", || async {
-        let view: Value = server
-            .admin_get(&format!("/v1/messages/{id}"))
-            .await
-            .json()
-            .await
-            .ok()?;
+        let view = view(server, id).await?;
         (view["state"] == "delivered").then_some(view)
     })
     .await;
