@@ -18,6 +18,7 @@ use serde_json::{Map, Value, json};
 use crate::clock::{Millis, format_iso};
 use crate::config::ConfigError;
 use crate::digest::short_hash;
+use crate::redact::display_url;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
     Partitions,
@@ -182,7 +183,11 @@ impl Alerts {
         if let Some(error) = &attempt.error {
             data.insert("lastError".into(), json!(error));
         }
-        data.insert("targetUrl".into(), json!(dead.target_url));
+        // Alerts often go to a third-party chat: the signed query stays behind.
+        data.insert(
+            "targetUrl".into(),
+            json!(dead.target_url.as_deref().map(display_url)),
+        );
         data.insert(
             "consoleUrl".into(),
             json!(format!(

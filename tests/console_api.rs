@@ -507,6 +507,58 @@ async fn an_expired_callback_is_announced_and_a_dead_alert_is_not() {
     server.stop().await;
 }
 
+/// A gateway signs its `callbackUrl` in the query. The receiver gets the URL byte for byte,
+/// but no view shows the query's values: not the API's `targetUrl` (detail and list, which the
+/// console's Target field shows), nor the `message.dead` alert.
+#[tokio::test]
+async fn a_signed_callback_url_is_delivered_exactly_and_shown_redacted() {
+    const SECRET_QUERY: &str = "X-VTEX-signature=sig%2Fs3cret&an=AppKey-7";
+    let dir = tempfile::tempdir().unwrap();
+    let (secret, _) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let (server, _clock, d) = virtual_server(&sqlite_url(&dir), |c| {
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+    })
+    .await;
+    let sink = path_sink().await;
+    let url = format!("{}/gone?{SECRET_QUERY}", sink.url);
+    let id = server
+        .hand_off_id(&handoff("p-signed-url", "approved", &url))
+        .await;
+    d.tick().await;
+    assert_eq!(sink.count(), 1);
+    assert_eq!(sink.received()[0].uri, format!("/gone?{SECRET_QUERY}"));
+    let shown = format!(
+        "{}/gone?X-VTEX-signature=[redacted]&an=[redacted]",
+        sink.url
+    );
+
+    let detail = server.admin_get(&format!("/v1/messages/{id}")).await;
+    let detail = detail.text().await.unwrap();
+    let view: Value = serde_json::from_str(&detail).unwrap();
+    assert_eq!(view["targetUrl"], shown.as_str());
+    let list = server
+        .admin_get("/v1/messages?paymentId=p-signed-url")
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::from_str::<Value>(&list).unwrap()["messages"][0]["targetUrl"],
+        shown.as_str()
+    );
+    assert_eq!(alert_sink.count(), 1);
+    let alert = &alert_sink.received()[0];
+    assert_eq!(alert.json()["data"]["targetUrl"], shown.as_str());
+    for text in [&detail, &list, &alert.body] {
+        assert!(
+            !text.contains("s3cret") && !text.contains("AppKey-7"),
+            "{text}"
+        );
+    }
+    server.stop().await;
+}
+
 fn trace_of(received: &support::sink::Received) -> TraceParent {
     TraceParent::parse(&received.header("traceparent").expect("traceparent sent"))
         .expect("a valid traceparent")
