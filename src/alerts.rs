@@ -18,6 +18,7 @@ use serde_json::{Map, Value, json};
 use crate::clock::{Millis, format_iso};
 use crate::config::ConfigError;
 use crate::digest::short_hash;
+use crate::dispatch::ssrf::{SsrfGuard, is_forbidden};
 use crate::redact::display_url;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
@@ -44,6 +45,12 @@ pub struct AlertsConfig {
     /// (default: `http://<server.listen>`).
     #[serde(default)]
     pub console_url: Option<String>,
+    /// Lets `webhook_url` reach loopback, private and other internal addresses (an alert
+    /// receiver inside the network) without opening `dispatch.allow_private_networks` for
+    /// every connector's `callbackUrl`. Off, such a URL is refused at start-up when it is a
+    /// literal address, and at every delivery on the addresses its name resolves to.
+    #[serde(default)]
+    pub allow_private_webhook_url: bool,
 }
 
 impl AlertsConfig {
@@ -56,6 +63,20 @@ impl AlertsConfig {
             .map_err(|e| invalid("webhook_url", format!("not a URL: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(invalid("webhook_url", "must be http or https".into()));
+        }
+        // A literal internal address would be refused at every delivery, and the operator
+        // never alerted: say so now.
+        let literal = url
+            .host_str()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+            .and_then(|h| h.parse::<std::net::IpAddr>().ok());
+        if !self.allow_private_webhook_url && literal.is_some_and(is_forbidden) {
+            return Err(invalid(
+                "webhook_url",
+                "is a loopback, private or reserved address, which the SSRF guard refuses; set \
+                 alerts.allow_private_webhook_url = true if the alert receiver is internal"
+                    .into(),
+            ));
         }
         if !self.secret.starts_with("whsec_") {
             return Err(invalid(
@@ -104,6 +125,8 @@ pub struct Alerts {
     url: String,
     secret: Vec<u8>,
     console_base: String,
+    /// Which addresses `webhook_url` may reach (`allow_private_webhook_url`).
+    ssrf: SsrfGuard,
     /// `dispatch.max_age_secs`: an alert is delivered as long as any message.
     max_age: Duration,
     dedupe_ttl: Duration,
@@ -137,9 +160,18 @@ impl Alerts {
                 .unwrap_or_else(|| format!("http://{listen}"))
                 .trim_end_matches('/')
                 .to_string(),
+            ssrf: SsrfGuard {
+                allow_private: config.allow_private_webhook_url,
+            },
             max_age,
             dedupe_ttl,
         })
+    }
+
+    /// Which addresses alert deliveries may reach: their own switch, so an internal alert
+    /// receiver does not open connectors' `callbackUrl`s.
+    pub fn ssrf(&self) -> SsrfGuard {
+        self.ssrf
     }
 
     /// The key alert deliveries are signed with.
@@ -258,5 +290,26 @@ mod tests {
         let url = "webhook_url = \"ftp://x\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"";
         assert!(load(url).unwrap_err().contains("alerts.webhook_url"));
         assert!(load("secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"").is_err());
+    }
+
+    /// An internal literal would be refused at every delivery, so it is refused at start-up,
+    /// unless the alert receiver is declared internal.
+    #[test]
+    fn an_internal_webhook_url_needs_its_own_switch() {
+        let secret = "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"";
+        for url in [
+            "http://169.254.169.254/latest/meta-data",
+            "http://127.0.0.1:9/hooks",
+            "http://10.1.2.3/hooks",
+            "http://[::1]/hooks",
+        ] {
+            let text = format!("webhook_url = \"{url}\"\n{secret}");
+            let err = load(&text).unwrap_err();
+            assert!(err.contains("alerts.webhook_url"), "{url}: {err}");
+            assert!(err.contains("alerts.allow_private_webhook_url"), "{err}");
+            let allowed = format!("{text}\nallow_private_webhook_url = true");
+            let alerts = load(&allowed).unwrap().alerts.unwrap();
+            assert!(alerts.allow_private_webhook_url);
+        }
     }
 }

@@ -365,6 +365,8 @@ fn alerts_to(sink: &Sink, secret: &str) -> AlertsConfig {
         webhook_url: format!("{}/alerts", sink.url),
         secret: secret.to_string(),
         console_url: Some("https://ops.example.com/".into()),
+        // The sink is on 127.0.0.1.
+        allow_private_webhook_url: true,
     }
 }
 
@@ -556,6 +558,52 @@ async fn a_signed_callback_url_is_delivered_exactly_and_shown_redacted() {
             "{text}"
         );
     }
+    server.stop().await;
+}
+
+/// `alerts.allow_private_webhook_url` lets alerts reach an internal receiver (the sink on
+/// 127.0.0.1) while `dispatch.allow_private_networks` stays off: the alert is delivered, and a
+/// connector's `callbackUrl` on the same address is still refused.
+#[tokio::test]
+async fn an_allowed_private_alert_url_is_delivered_without_opening_callback_urls() {
+    let dir = tempfile::tempdir().unwrap();
+    let (secret, _) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let target = path_sink().await;
+    let (server, _clock, d) = virtual_server(&sqlite_url(&dir), |c| {
+        c.dispatch.allow_private_networks = false;
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+        // The source's own switch lets its forward reach the sink, which answers 410.
+        c.sources.get_mut("payzu").unwrap().forward_url = Some(format!("{}/gone", target.url));
+    })
+    .await;
+    let body = r#"{"id":"tx:private-alert","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":1}"#;
+    assert_eq!(
+        server.post_callback("payzu", body, None).await.status(),
+        200
+    );
+    d.tick().await;
+    assert_eq!(target.count(), 1);
+    assert_eq!(
+        alert_sink.count(),
+        1,
+        "the alert reached the internal receiver"
+    );
+    let alert_id = alert_sink.received()[0].header("webhook-id").unwrap();
+    assert_eq!(view(&server, &alert_id).await["state"], "delivered");
+    assert_eq!(
+        alert_sink.received()[0].json()["data"]["transactionId"],
+        "tx:private-alert"
+    );
+
+    let refused = server
+        .notify(&handoff(
+            "p-internal",
+            "approved",
+            &format!("{}/ok", target.url),
+        ))
+        .await;
+    assert_eq!(refused.status(), 400, "callbackUrls are still guarded");
     server.stop().await;
 }
 

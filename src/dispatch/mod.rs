@@ -265,13 +265,16 @@ impl Dispatcher {
             self.untrack(&c);
             return;
         };
-        let forward = match &self.alerts {
-            // Alerts are signed with the alert secret, so the receiver can trust them.
-            Some(alerts) if is_alert(&c.message) => ForwardSettings {
+        let alert_target = self.alerts.as_ref().filter(|_| is_alert(&c.message));
+        let forward = match alert_target {
+            // Alerts are signed with the alert secret, so the receiver can trust them, and go
+            // by their own SSRF switch (`alerts.allow_private_webhook_url`).
+            Some(alerts) => ForwardSettings {
                 signing_secret: Some(alerts.secret().to_vec()),
+                ssrf: alerts.ssrf(),
                 ..ForwardSettings::default()
             },
-            _ => c
+            None => c
                 .message
                 .source
                 .as_ref()
@@ -286,11 +289,11 @@ impl Dispatcher {
             forward.signing_secret.as_deref(),
             self.clock.now_secs(),
         );
-        // Notifications (and alerts, which are recorded as notifications) go by
-        // `dispatch.allow_private_networks`; a source's forwards by its own switch.
+        // Connectors' notifications go by `dispatch.allow_private_networks`; a source's
+        // forwards and the alerts by their own switches.
         let allow_private = match c.message.kind {
-            MessageKind::Notification => self.settings.callback_ssrf,
-            MessageKind::Inbound => forward.ssrf,
+            MessageKind::Notification if alert_target.is_none() => self.settings.callback_ssrf,
+            _ => forward.ssrf,
         }
         .allow_private;
         let client = if allow_private {
