@@ -89,6 +89,89 @@ async fn each_attempt_keeps_the_receivers_answer() {
     server.stop().await;
 }
 
+/// What the stored answer of `attempt` costs as JSON: its body's serialized length.
+fn stored_body_bytes(attempt: &Value) -> usize {
+    serde_json::to_string(&attempt["response"]["body"])
+        .unwrap()
+        .len()
+}
+
+/// A receiver answering 2,000 NUL bytes, then 2,000 bytes of invalid UTF-8, then text, all
+/// 503: each stored body stays within the 2 KB budget as stored (JSON escapes and U+FFFD
+/// counted), and after a dozen attempts only the first and the latest 5 rows keep a body.
+async fn answers_are_bounded_as_stored_on(store_url: &str) {
+    let (server, clock, d) = virtual_server(store_url, |_| {}).await;
+    let sink = Sink::answering(|_, n| Answer {
+        reply: Reply::status(503),
+        content_type: Some("application/octet-stream".into()),
+        body: match n {
+            0 => vec![0u8; 2000],
+            1 => vec![0xFFu8; 2000],
+            n => format!("busy {n}").into_bytes(),
+        },
+    })
+    .await;
+    let id = server
+        .hand_off_id(&handoff(
+            "p-binary",
+            "approved",
+            &format!("{}/cb", sink.url),
+        ))
+        .await;
+    d.tick().await;
+    clock.advance(3_600_000);
+    d.tick().await;
+    let v = view(&server, &id).await;
+    let budget = callbackd::store::KEPT_BODY_BYTES + 2;
+    for attempt in &v["attempts"].as_array().unwrap()[..2] {
+        let stored = stored_body_bytes(attempt);
+        assert!(stored <= budget, "{stored} bytes stored: {attempt}");
+        assert!(stored > 1_000, "most of the budget is used: {attempt}");
+        assert_eq!(attempt["response"]["bodyTruncated"], true);
+    }
+    assert!(
+        v["attempts"][0]["response"]["body"]
+            .as_str()
+            .unwrap()
+            .starts_with("\0\0")
+    );
+
+    for _ in 2..12 {
+        clock.advance(3_600_000);
+        d.tick().await;
+    }
+    let v = view(&server, &id).await;
+    let attempts = v["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 12);
+    for (i, attempt) in attempts.iter().enumerate() {
+        let answer = &attempt["response"];
+        let keeps = i == 0 || i >= 12 - callbackd::store::ANSWER_BODY_ROWS;
+        assert_eq!(answer["body"] != "", keeps, "row {i}: {attempt}");
+        assert_eq!(answer.get("bodyDropped").is_some(), !keeps, "row {i}");
+        assert_eq!(attempt["status"], 503, "row {i} keeps its status");
+        assert_eq!(answer["contentType"], "application/octet-stream");
+    }
+    assert_eq!(attempts[11]["response"]["body"], "busy 11");
+    let total: usize = attempts.iter().map(stored_body_bytes).sum();
+    assert!(
+        total <= 6 * budget,
+        "{total} bytes of bodies for 12 attempts"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn stored_answers_are_bounded_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    answers_are_bounded_as_stored_on(&sqlite_url(&dir)).await;
+}
+
+#[tokio::test]
+async fn stored_answers_are_bounded_on_redis() {
+    let redis = RedisServer::start();
+    answers_are_bounded_as_stored_on(&redis.url()).await;
+}
+
 /// A sink answering by path: `/ok` 204, `/gone` 410, anything else 503.
 async fn path_sink() -> Sink {
     Sink::start(|r, _| {

@@ -166,12 +166,15 @@ pub struct AnswerView {
     /// `Retry-After` as sent (seconds or an HTTP date).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<String>,
-    /// The first [`KEPT_BODY_BYTES`] bytes of the body as text (invalid UTF-8 replaced).
+    /// The start of the body as text, at most 2 KB as stored (invalid UTF-8 replaced).
     #[schema(required = false)]
     pub body: String,
     /// True when the body was longer than what is kept.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub body_truncated: bool,
+    /// True when the body is no longer kept: only the first row and the latest 5 keep theirs.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub body_dropped: bool,
 }
 
 impl From<ReceiverAnswer> for AnswerView {
@@ -181,12 +184,14 @@ impl From<ReceiverAnswer> for AnswerView {
             retry_after,
             body,
             body_truncated,
+            body_dropped,
         } = answer;
         AnswerView {
             content_type,
             retry_after,
             body,
             body_truncated,
+            body_dropped,
         }
     }
 }
