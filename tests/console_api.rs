@@ -450,6 +450,8 @@ fn alerts_to(sink: &Sink, secret: &str) -> AlertsConfig {
         console_url: Some("https://ops.example.com/".into()),
         // The sink is on 127.0.0.1.
         allow_private_webhook_url: true,
+        digest_interval_secs: 60,
+        max_alerts_per_interval: 10,
     }
 }
 
@@ -687,6 +689,74 @@ async fn an_allowed_private_alert_url_is_delivered_without_opening_callback_urls
         ))
         .await;
     assert_eq!(refused.status(), 400, "callbackUrls are still guarded");
+    server.stop().await;
+}
+
+/// 1,000 messages dying at once: the first 10 of the minute are announced one by one, the
+/// rest by one `message.dead.digest` when the minute is over, with counts and a link to the
+/// dead-letter list. A few webhooks, which together account for every death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_deaths_at_once_are_a_few_alerts_that_account_for_all() {
+    const DEATHS: usize = 1_000;
+    let redis = RedisServer::start();
+    let (secret, verifier) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let (server, clock, d) = virtual_server(&redis.url(), |c| {
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+    })
+    .await;
+    let sink = path_sink().await;
+    let gone = format!("{}/gone", sink.url);
+    for chunk in 0..DEATHS / 50 {
+        let handoffs = (0..50).map(|i| {
+            let body = handoff(&format!("p-storm-{chunk}-{i}"), "approved", &gone);
+            let server = &server;
+            async move {
+                assert_eq!(server.notify(&body).await.status(), 202);
+            }
+        });
+        futures::future::join_all(handoffs).await;
+    }
+    d.tick().await;
+    assert_eq!(sink.count(), DEATHS);
+    assert_eq!(server.app.store.depth().await.unwrap().dead, DEATHS as u64);
+    assert_eq!(alert_sink.count(), 10, "the cap's alerts went out at once");
+
+    clock.advance(60_000);
+    d.tick().await;
+    let received = alert_sink.received();
+    assert!(received.len() <= 30, "{} webhooks", received.len());
+    let mut announced = 0;
+    let mut digests = 0;
+    for r in &received {
+        let ts: i64 = r.header("webhook-timestamp").unwrap().parse().unwrap();
+        verifier
+            .verify(&r.headers, r.body.as_bytes(), ts)
+            .expect("every alert is signed");
+        let body = r.json();
+        match body["type"].as_str().unwrap() {
+            "message.dead" => announced += 1,
+            "message.dead.digest" => {
+                digests += 1;
+                let data = &body["data"];
+                let count = data["count"].as_u64().unwrap();
+                assert_eq!(data["reasons"]["gone"], count);
+                assert_eq!(data["messageIds"].as_array().unwrap().len(), 20);
+                assert_eq!(
+                    data["consoleUrl"],
+                    "https://ops.example.com/console/messages?state=dead"
+                );
+                assert_eq!(
+                    r.header("x-callback-event").as_deref(),
+                    Some("message.dead.digest")
+                );
+                announced += count;
+            }
+            other => panic!("unexpected alert {other}"),
+        }
+    }
+    assert_eq!(digests, 1);
+    assert_eq!(announced, DEATHS as u64, "every death is accounted for");
     server.stop().await;
 }
 

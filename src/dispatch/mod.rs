@@ -21,7 +21,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::alerts::{Alerts, DeathReason, is_alert};
+use crate::alerts::{AlertBudget, Alerts, DeathReason, is_alert};
 use crate::clock::{Clock, format_delay, format_iso};
 use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources, millis};
 use crate::metrics as m;
@@ -61,6 +61,20 @@ pub struct Dispatcher {
     stats: Option<Arc<DeliveryStats>>,
     /// Where dead letters are announced (`[alerts]`), if anywhere.
     alerts: Option<Alerts>,
+    /// This process's count of deaths per alert window: which get an alert of their own, and
+    /// the digests of the rest.
+    budget: Mutex<AlertBudget>,
+}
+
+/// How a death is announced.
+enum Announcement {
+    /// Nothing to announce (not a death, an alert's death, no `[alerts]`), or its own alert is
+    /// recorded: record the death.
+    Done,
+    /// Beyond the window's cap: record the death, then count it in the window's digest.
+    Coalesce(DeathReason),
+    /// Its alert could not be recorded: leave the death unrecorded.
+    Failed,
 }
 
 impl Dispatcher {
@@ -98,6 +112,13 @@ impl Dispatcher {
             in_flight: Mutex::new(HashMap::new()),
             wake,
             stats: None,
+            budget: Mutex::new(
+                settings
+                    .alerts
+                    .as_ref()
+                    .map(Alerts::budget)
+                    .unwrap_or_else(|| AlertBudget::new(1, 0)),
+            ),
             alerts: settings.alerts.clone(),
         })
     }
@@ -123,6 +144,7 @@ impl Dispatcher {
             return 0;
         }
         let now = self.clock.now_ms();
+        self.send_digests(Some(now)).await;
         let claimed = match self
             .store
             .claim_due(now, free, millis(self.settings.lease))
@@ -194,6 +216,37 @@ impl Dispatcher {
             while tasks.join_next().await.is_some() {}
         }
         self.release_unfinished().await;
+        // Windows still open are announced now: their counts live only in this process.
+        self.send_digests(None).await;
+    }
+
+    /// Records the digests of the alert windows over at `until` (all of them with `None`),
+    /// each as a durable alert message. One that cannot be recorded is kept for the next call.
+    async fn send_digests(&self, until: Option<Millis>) {
+        let Some(alerts) = &self.alerts else {
+            return;
+        };
+        let due = match self.budget.lock() {
+            Ok(mut budget) => budget.take_due(until),
+            Err(_) => return,
+        };
+        for digest in due {
+            let now = self.clock.now_ms();
+            let request = alerts.digest(&digest, now, self.store.partitions());
+            match self.store.accept(request, now).await {
+                Ok(_) => {
+                    metrics::counter!(m::ALERTS, "reason" => "digest").increment(1);
+                    self.wake.notify_one();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, count = digest.count,
+                        "cannot record the dead-letter digest yet");
+                    if let Ok(mut budget) = self.budget.lock() {
+                        budget.restore(digest);
+                    }
+                }
+            }
+        }
     }
 
     async fn release_unfinished(&self) {
@@ -326,54 +379,75 @@ impl Dispatcher {
             latency_ms: Some(latency.as_millis() as u64),
             response: result.response.clone(),
         };
-        if !self.announce_death(&c, &attempt, verdict, now).await {
+        match self.announce_death(&c, &attempt, verdict, now).await {
             // Not recorded: the lease runs out and the attempt is made again, so the death
             // is announced then rather than never.
-            self.untrack(&c);
-            return;
+            Announcement::Failed => {}
+            Announcement::Done => {
+                self.settle(&c, attempt, verdict, now).await;
+            }
+            // Counted once recorded, so an attempt made again after a lost lease is not
+            // counted twice.
+            Announcement::Coalesce(reason) => {
+                if self.settle(&c, attempt, verdict, now).await
+                    && let Ok(mut budget) = self.budget.lock()
+                {
+                    budget.coalesce(now, &c.message.id, reason);
+                }
+            }
         }
-        self.settle(&c, attempt, verdict, now).await;
         self.untrack(&c);
     }
 
     /// Accepts the dead-letter alert for a message this attempt kills, before its death is
-    /// recorded. False when the alert could not be recorded.
+    /// recorded, or leaves it to the window's digest when the window's cap is reached.
     async fn announce_death(
         &self,
         c: &Lease,
         attempt: &DeliveryAttempt,
         verdict: Verdict,
         now: i64,
-    ) -> bool {
+    ) -> Announcement {
         let reason = match verdict {
             Verdict::Gone => DeathReason::Gone,
             Verdict::Expired => DeathReason::Expired,
-            Verdict::Delivered | Verdict::Retry(_) => return true,
+            Verdict::Delivered | Verdict::Retry(_) => return Announcement::Done,
         };
         let Some(alert) = self
             .alerts
             .as_ref()
             .and_then(|a| a.dead_letter(c, attempt, reason, now, self.store.partitions()))
         else {
-            return true;
+            return Announcement::Done;
         };
+        let own_alert = self.budget.lock().map(|mut b| b.admit(now)).unwrap_or(true);
+        if !own_alert {
+            return Announcement::Coalesce(reason);
+        }
         for backoff_ms in [0, 100, 500, 2_000] {
             tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
             match self.store.accept(alert.clone(), now).await {
                 Ok(_) => {
                     metrics::counter!(m::ALERTS, "reason" => reason.as_str()).increment(1);
                     self.wake.notify_one();
-                    return true;
+                    return Announcement::Done;
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot record the dead-letter alert yet"),
             }
         }
-        false
+        Announcement::Failed
     }
 
     /// Records the outcome. A store error is retried briefly; if it persists, the lease
-    /// expires and the message is delivered again (at-least-once), never lost.
-    async fn settle(&self, c: &Lease, attempt: DeliveryAttempt, verdict: Verdict, now: i64) {
+    /// expires and the message is delivered again (at-least-once), never lost. True when the
+    /// outcome was recorded.
+    async fn settle(
+        &self,
+        c: &Lease,
+        attempt: DeliveryAttempt,
+        verdict: Verdict,
+        now: i64,
+    ) -> bool {
         for backoff_ms in [0, 100, 500, 2_000] {
             tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
             match self
@@ -383,15 +457,16 @@ impl Dispatcher {
             {
                 Ok(true) => {
                     tracing::debug!(status = attempt.status, "attempt recorded");
-                    return;
+                    return true;
                 }
                 Ok(false) => {
                     tracing::warn!("lease lost before the outcome was recorded");
-                    return;
+                    return false;
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot record the outcome yet"),
             }
         }
+        false
     }
 
     fn record_metrics(
