@@ -179,7 +179,7 @@ pub const CATALOGUE: [MetricDoc; 15] = [
     MetricDoc {
         name: ALERTS,
         labels: &["reason"],
-        meaning: "Dead-letter alerts recorded for delivery to [alerts] webhook_url; `digest`: one message.dead.digest of a window's deaths beyond the cap",
+        meaning: "Dead-letter alerts recorded for delivery to [alerts] webhook_url: one per death, or a digest of a window's deaths beyond the cap",
         values: &[("reason", ALERT_REASONS)],
     },
     MetricDoc {
