@@ -760,6 +760,53 @@ async fn a_thousand_deaths_at_once_are_a_few_alerts_that_account_for_all() {
     server.stop().await;
 }
 
+/// A window's digest lives in the process until the window ends; a process that stops
+/// records it first (the next process delivers it), so a graceful restart loses no count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_process_records_its_open_windows_digest() {
+    let dir = tempfile::tempdir().unwrap();
+    let (secret, _) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let (server, _clock) = support::virtual_loop_server(&sqlite_url(&dir), |c| {
+        let mut alerts = alerts_to(&alert_sink, &secret);
+        alerts.max_alerts_per_interval = 0;
+        c.alerts = Some(alerts);
+    })
+    .await;
+    let sink = path_sink().await;
+    for n in 0..3 {
+        server
+            .hand_off_id(&handoff(
+                &format!("p-stop-{n}"),
+                "approved",
+                &format!("{}/gone", sink.url),
+            ))
+            .await;
+    }
+    let store = server.app.store.clone();
+    support::eventually(10, "three deaths", || async {
+        (store.depth().await.unwrap().dead == 3).then_some(())
+    })
+    .await;
+    assert_eq!(alert_sink.count(), 0, "the window is still open");
+    server.stop().await;
+    let page = store
+        .list(&callbackd::store::ListFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let digests: Vec<Value> = page
+        .messages
+        .iter()
+        .filter(|r| r.message.event.as_deref() == Some("message.dead.digest"))
+        .map(|r| serde_json::from_str(&r.message.body).unwrap())
+        .collect();
+    assert_eq!(digests.len(), 1, "one digest recorded at the stop");
+    assert_eq!(digests[0]["data"]["count"], 3);
+}
+
 fn trace_of(received: &support::sink::Received) -> TraceParent {
     TraceParent::parse(&received.header("traceparent").expect("traceparent sent"))
         .expect("a valid traceparent")

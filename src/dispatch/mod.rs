@@ -132,6 +132,8 @@ impl Dispatcher {
     /// Claims what is due now (up to the free permits) and starts delivering it in `tasks`.
     /// Returns how many messages were claimed.
     async fn claim_and_spawn(self: &Arc<Self>, tasks: &mut JoinSet<()>) -> usize {
+        // A window's digest is due when the window ends, however busy the workers are.
+        self.send_digests(Some(self.clock.now_ms())).await;
         // At most one host's worth per claim: when every due message goes to the same gateway
         // (the common case), a bigger claim would only lease messages that then wait for a
         // host permit and go back to the queue.
@@ -144,7 +146,6 @@ impl Dispatcher {
             return 0;
         }
         let now = self.clock.now_ms();
-        self.send_digests(Some(now)).await;
         let claimed = match self
             .store
             .claim_due(now, free, millis(self.settings.lease))
