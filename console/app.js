@@ -170,7 +170,8 @@ function attemptItem(a) {
       a.latencyMs !== undefined ? h('span', { class: 'muted', text: `${a.latencyMs} ms` }) : null),
     r ? h('div', { class: 'answer' },
       h('p', { class: 'muted', text: [r.contentType && `Content-Type: ${r.contentType}`, r.retryAfter && `Retry-After: ${r.retryAfter}`].filter(Boolean).join(' · ') }),
-      r.body ? h('pre', { class: 'answer-body', text: r.body }) : h('p', { class: 'muted', text: '(empty body)' }),
+      r.body ? h('pre', { class: 'answer-body', text: r.body })
+        : h('p', { class: 'muted', text: r.bodyDropped ? '(body not kept: only the first and the latest 5 rows keep theirs)' : '(empty body)' }),
       r.bodyTruncated ? h('p', { class: 'muted', text: 'First 2 KB kept.' }) : null) : null);
 }
 

@@ -4,11 +4,21 @@
 //! The alert is itself a message: it is accepted into the store like any other before the
 //! dead letter is recorded, so it is delivered with the same retries and survives restarts.
 //! If the alert cannot be recorded, neither is the dead letter (the lease runs out and the
-//! attempt is made again), so a dead letter never goes unannounced. A crash between the two
-//! steps repeats the attempt, and the alert's dedupe key (message id and attempt number)
-//! keeps the repeat from announcing the same death twice. An alert that dies itself is not
+//! attempt is made again), so a death given its own alert never goes unannounced. A crash
+//! between the two steps repeats the attempt, and the alert's dedupe key (message id and
+//! attempt number) keeps the repeat from announcing the same death twice. An alert that dies itself is not
 //! announced: alerts never alert about alerts.
+//!
+//! Alerts are coalesced, so an incident that kills thousands of messages does not send
+//! thousands of webhooks that then compete with real deliveries: per `[alerts]
+//! digest_interval_secs` window, the first `max_alerts_per_interval` deaths are announced one by
+//! one as above, and the rest are counted ([`AlertBudget`]) and announced together by one
+//! `message.dead.digest` at the window's end, with their counts and a link to the console's
+//! dead-letter list. The digest is accepted as a durable message like any alert, but its counts
+//! are held in memory until then: a process that crashes inside a window loses that window's
+//! digest (the deaths stay in the dead-letter list); a process that stops sends it first.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -18,6 +28,8 @@ use serde_json::{Map, Value, json};
 use crate::clock::{Millis, format_iso};
 use crate::config::ConfigError;
 use crate::digest::short_hash;
+use crate::dispatch::ssrf::{SsrfGuard, is_forbidden};
+use crate::redact::display_url;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
     Partitions,
@@ -27,6 +39,14 @@ use crate::webhook::decode_whsec;
 
 /// The event type of a dead-letter alert (its `type` and `X-Callback-Event`).
 pub const DEAD_EVENT: &str = "message.dead";
+/// The event type of the summary of a window's deaths beyond the cap.
+pub const DIGEST_EVENT: &str = "message.dead.digest";
+/// Message ids a digest lists; its counts cover every death.
+pub const DIGEST_SAMPLE: usize = 20;
+/// Longest `alerts.digest_interval_secs`: a day.
+const MAX_DIGEST_INTERVAL_SECS: u64 = 86_400;
+/// Largest `alerts.max_alerts_per_interval`.
+const MAX_ALERTS_PER_INTERVAL: u32 = 10_000;
 /// Ordering keys of alert messages start with this: each alert is its own key, so one slow
 /// alert receiver never holds another alert back, and a dead alert is known as one.
 const ORDERING_PREFIX: &str = "alert/";
@@ -43,6 +63,27 @@ pub struct AlertsConfig {
     /// (default: `http://<server.listen>`).
     #[serde(default)]
     pub console_url: Option<String>,
+    /// Lets `webhook_url` reach loopback, private and other internal addresses (an alert
+    /// receiver inside the network) without opening `dispatch.allow_private_networks` for
+    /// every connector's `callbackUrl`. Off, such a URL is refused at start-up when it is a
+    /// literal address, and at every delivery on the addresses its name resolves to.
+    #[serde(default)]
+    pub allow_private_webhook_url: bool,
+    /// The window deaths are counted in: at most `max_alerts_per_interval` alerts per window,
+    /// then one digest of the rest when it ends.
+    #[serde(default = "default_digest_interval_secs")]
+    pub digest_interval_secs: u64,
+    /// Deaths announced one by one per window (0: every death goes into the digest).
+    #[serde(default = "default_max_alerts_per_interval")]
+    pub max_alerts_per_interval: u32,
+}
+
+fn default_digest_interval_secs() -> u64 {
+    60
+}
+
+fn default_max_alerts_per_interval() -> u32 {
+    10
 }
 
 impl AlertsConfig {
@@ -56,6 +97,20 @@ impl AlertsConfig {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(invalid("webhook_url", "must be http or https".into()));
         }
+        // A literal internal address would be refused at every delivery, and the operator
+        // never alerted: say so now.
+        let literal = url
+            .host_str()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+            .and_then(|h| h.parse::<std::net::IpAddr>().ok());
+        if !self.allow_private_webhook_url && literal.is_some_and(is_forbidden) {
+            return Err(invalid(
+                "webhook_url",
+                "is a loopback, private or reserved address, which the SSRF guard refuses; set \
+                 alerts.allow_private_webhook_url = true if the alert receiver is internal"
+                    .into(),
+            ));
+        }
         if !self.secret.starts_with("whsec_") {
             return Err(invalid(
                 "secret",
@@ -65,6 +120,18 @@ impl AlertsConfig {
         let key = decode_whsec(&self.secret).map_err(|m| invalid("secret", m))?;
         if key.len() < 16 {
             return Err(invalid("secret", "must hold at least 16 bytes".into()));
+        }
+        if !(1..=MAX_DIGEST_INTERVAL_SECS).contains(&self.digest_interval_secs) {
+            return Err(invalid(
+                "digest_interval_secs",
+                format!("must be 1 to {MAX_DIGEST_INTERVAL_SECS} seconds"),
+            ));
+        }
+        if self.max_alerts_per_interval > MAX_ALERTS_PER_INTERVAL {
+            return Err(invalid(
+                "max_alerts_per_interval",
+                format!("must be at most {MAX_ALERTS_PER_INTERVAL}"),
+            ));
         }
         if let Some(base) = &self.console_url {
             reqwest::Url::parse(base)
@@ -103,9 +170,13 @@ pub struct Alerts {
     url: String,
     secret: Vec<u8>,
     console_base: String,
+    /// Which addresses `webhook_url` may reach (`allow_private_webhook_url`).
+    ssrf: SsrfGuard,
     /// `dispatch.max_age_secs`: an alert is delivered as long as any message.
     max_age: Duration,
     dedupe_ttl: Duration,
+    digest_interval: Duration,
+    max_per_interval: u32,
 }
 
 impl std::fmt::Debug for Alerts {
@@ -136,9 +207,28 @@ impl Alerts {
                 .unwrap_or_else(|| format!("http://{listen}"))
                 .trim_end_matches('/')
                 .to_string(),
+            ssrf: SsrfGuard {
+                allow_private: config.allow_private_webhook_url,
+            },
             max_age,
             dedupe_ttl,
+            digest_interval: Duration::from_secs(config.digest_interval_secs),
+            max_per_interval: config.max_alerts_per_interval,
         })
+    }
+
+    /// A fresh count of deaths for one process, by this target's window and cap.
+    pub fn budget(&self) -> AlertBudget {
+        AlertBudget::new(
+            Millis::try_from(self.digest_interval.as_millis()).unwrap_or(Millis::MAX),
+            self.max_per_interval,
+        )
+    }
+
+    /// Which addresses alert deliveries may reach: their own switch, so an internal alert
+    /// receiver does not open connectors' `callbackUrl`s.
+    pub fn ssrf(&self) -> SsrfGuard {
+        self.ssrf
     }
 
     /// The key alert deliveries are signed with.
@@ -182,7 +272,11 @@ impl Alerts {
         if let Some(error) = &attempt.error {
             data.insert("lastError".into(), json!(error));
         }
-        data.insert("targetUrl".into(), json!(dead.target_url));
+        // Alerts often go to a third-party chat: the signed query stays behind.
+        data.insert(
+            "targetUrl".into(),
+            json!(dead.target_url.as_deref().map(display_url)),
+        );
         data.insert(
             "consoleUrl".into(),
             json!(format!(
@@ -196,7 +290,67 @@ impl Alerts {
             "data": Value::Object(data),
         })
         .to_string();
-        let ordering_key = format!("{ORDERING_PREFIX}{}", dead.id);
+        // The alert continues the dead message's trace, if it had one.
+        let headers = dead
+            .headers
+            .iter()
+            .filter(|(k, _)| k.as_str() == TRACEPARENT || k.as_str() == TRACESTATE)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        // One alert per death: a repeat of the same attempt (after a crash) replays.
+        let dedupe_key = short_hash(format!("alert\n{}\n{}", dead.id, attempt.attempt).as_bytes());
+        Some(self.request(
+            format!("{ORDERING_PREFIX}{}", dead.id),
+            DEAD_EVENT,
+            body,
+            headers,
+            dedupe_key,
+            now,
+            partitions,
+        ))
+    }
+
+    /// The alert announcing the deaths `digest` counted, into a store of `partitions`.
+    pub fn digest(&self, digest: &Digest, now: Millis, partitions: Partitions) -> AcceptRequest {
+        let body = json!({
+            "type": DIGEST_EVENT,
+            "timestamp": format_iso(now),
+            "data": {
+                "from": format_iso(digest.from),
+                "to": format_iso(digest.to),
+                "count": digest.count,
+                "reasons": {"gone": digest.gone, "expired": digest.expired},
+                "messageIds": digest.sample,
+                "consoleUrl": format!("{}/console/messages?state=dead", self.console_base),
+            },
+        })
+        .to_string();
+        // Each digest is its own: two processes' digests of one window are two messages.
+        let nonce = format!("{:032x}", rand::random::<u128>());
+        let dedupe_key = short_hash(format!("alert-digest\n{nonce}").as_bytes());
+        self.request(
+            format!("{ORDERING_PREFIX}digest/{nonce}"),
+            DIGEST_EVENT,
+            body,
+            Default::default(),
+            dedupe_key,
+            now,
+            partitions,
+        )
+    }
+
+    /// An alert message to this target: each is its own ordering key.
+    #[allow(clippy::too_many_arguments)]
+    fn request(
+        &self,
+        ordering_key: String,
+        event: &str,
+        body: String,
+        headers: BTreeMap<String, String>,
+        dedupe_key: String,
+        now: Millis,
+        partitions: Partitions,
+    ) -> AcceptRequest {
         let message = NewMessage {
             id: MessageId::generate(now, &ordering_key, partitions),
             kind: MessageKind::Notification,
@@ -204,23 +358,16 @@ impl Alerts {
             payment_id: None,
             transaction_id: None,
             ordering_key,
-            event: Some(DEAD_EVENT.to_string()),
+            event: Some(event.to_string()),
             target_url: Some(self.url.clone()),
-            // The alert continues the dead message's trace, if it had one.
-            headers: dead
-                .headers
-                .iter()
-                .filter(|(k, _)| k.as_str() == TRACEPARENT || k.as_str() == TRACESTATE)
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
+            headers,
             body,
             created_at: now,
             deadline: crate::config::deadline(now, self.max_age),
         };
-        Some(AcceptRequest {
+        AcceptRequest {
             dedupe: DedupeClaim {
-                // One alert per death: a repeat of the same attempt (after a crash) replays.
-                key: short_hash(format!("alert\n{}\n{}", dead.id, attempt.attempt).as_bytes()),
+                key: dedupe_key,
                 ttl_secs: self.dedupe_ttl.as_secs(),
                 fingerprint: String::new(),
                 response: String::new(),
@@ -228,7 +375,117 @@ impl Alerts {
             message,
             payment: None,
             seal: None,
-        })
+        }
+    }
+}
+
+/// One process's count of deaths per window, pure: which are announced one by one and which
+/// wait for their window's digest.
+#[derive(Debug)]
+pub struct AlertBudget {
+    interval_ms: Millis,
+    cap: u32,
+    /// The window the cap is counting, and how many alerts went out in it.
+    window: Millis,
+    sent: u32,
+    /// Windows with deaths beyond the cap, by start.
+    digests: BTreeMap<Millis, Digest>,
+}
+
+/// The deaths of one window beyond its cap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Digest {
+    pub from: Millis,
+    pub to: Millis,
+    pub count: u64,
+    pub gone: u64,
+    pub expired: u64,
+    /// The first [`DIGEST_SAMPLE`] ids.
+    pub sample: Vec<String>,
+}
+
+impl AlertBudget {
+    pub fn new(interval_ms: Millis, cap: u32) -> AlertBudget {
+        AlertBudget {
+            interval_ms: interval_ms.max(1),
+            cap,
+            window: Millis::MIN,
+            sent: 0,
+            digests: BTreeMap::new(),
+        }
+    }
+
+    fn window_of(&self, now: Millis) -> Millis {
+        now - now.rem_euclid(self.interval_ms)
+    }
+
+    /// Whether a death at `now` gets an alert of its own (counted against the cap), or waits
+    /// for the digest ([`AlertBudget::coalesce`]).
+    pub fn admit(&mut self, now: Millis) -> bool {
+        let window = self.window_of(now);
+        if window != self.window {
+            self.window = window;
+            self.sent = 0;
+        }
+        if self.sent < self.cap {
+            self.sent += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Counts a death recorded at `now` without an alert of its own.
+    pub fn coalesce(&mut self, now: Millis, id: &MessageId, reason: DeathReason) {
+        let from = self.window_of(now);
+        let to = from.saturating_add(self.interval_ms);
+        let digest = self.digests.entry(from).or_insert_with(|| Digest {
+            from,
+            to,
+            count: 0,
+            gone: 0,
+            expired: 0,
+            sample: Vec::new(),
+        });
+        digest.count += 1;
+        match reason {
+            DeathReason::Gone => digest.gone += 1,
+            DeathReason::Expired => digest.expired += 1,
+        }
+        if digest.sample.len() < DIGEST_SAMPLE {
+            digest.sample.push(id.to_string());
+        }
+    }
+
+    /// The digests of windows over at `now`, taken out; `until = None` takes them all (the
+    /// process is stopping).
+    pub fn take_due(&mut self, until: Option<Millis>) -> Vec<Digest> {
+        let keep = match until {
+            Some(now) => self.digests.split_off(&self.window_of(now)),
+            None => BTreeMap::new(),
+        };
+        std::mem::replace(&mut self.digests, keep)
+            .into_values()
+            .collect()
+    }
+
+    /// Puts back a digest that could not be recorded, so the next flush sends it.
+    pub fn restore(&mut self, digest: Digest) {
+        let kept = self.digests.entry(digest.from).or_insert_with(|| Digest {
+            count: 0,
+            gone: 0,
+            expired: 0,
+            sample: Vec::new(),
+            ..digest.clone()
+        });
+        kept.count += digest.count;
+        kept.gone += digest.gone;
+        kept.expired += digest.expired;
+        for id in digest.sample {
+            if kept.sample.len() < DIGEST_SAMPLE {
+                kept.sample.push(id);
+            }
+        }
     }
 }
 
@@ -236,6 +493,7 @@ impl Alerts {
 mod tests {
     use std::path::Path;
 
+    use super::*;
     use crate::config::Config;
 
     fn load(alerts: &str) -> Result<Config, String> {
@@ -253,5 +511,88 @@ mod tests {
         let url = "webhook_url = \"ftp://x\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"";
         assert!(load(url).unwrap_err().contains("alerts.webhook_url"));
         assert!(load("secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"").is_err());
+    }
+
+    #[test]
+    fn the_window_and_the_cap_are_validated_naming_the_key() {
+        let base = "webhook_url = \"https://ops.example.com/hooks\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"";
+        let alerts = load(base).unwrap().alerts.unwrap();
+        assert_eq!(
+            (alerts.digest_interval_secs, alerts.max_alerts_per_interval),
+            (60, 10)
+        );
+        for (extra, key) in [
+            ("digest_interval_secs = 0", "alerts.digest_interval_secs"),
+            (
+                "digest_interval_secs = 86401",
+                "alerts.digest_interval_secs",
+            ),
+            (
+                "max_alerts_per_interval = 10001",
+                "alerts.max_alerts_per_interval",
+            ),
+            (
+                "max_alerts_per_interval = -1",
+                "alerts.max_alerts_per_interval",
+            ),
+        ] {
+            let err = load(&format!("{base}\n{extra}")).unwrap_err();
+            assert!(err.contains(key), "{extra}: {err}");
+        }
+        assert!(load(&format!("{base}\nmax_alerts_per_interval = 0")).is_ok());
+    }
+
+    /// The first `cap` deaths of a window get their own alert, the rest its digest, which is
+    /// due once the window is over; a new window starts the cap over.
+    #[test]
+    fn deaths_beyond_the_cap_wait_for_their_windows_digest() {
+        let id = |n: i64| MessageId::generate(n, "k", Partitions::DEFAULT);
+        let mut budget = AlertBudget::new(60_000, 2);
+        let t = 600_000;
+        assert!(budget.admit(t));
+        assert!(budget.admit(t + 1));
+        for n in 0..30 {
+            assert!(!budget.admit(t + 2));
+            let reason = if n % 3 == 0 {
+                DeathReason::Expired
+            } else {
+                DeathReason::Gone
+            };
+            budget.coalesce(t + 2, &id(n), reason);
+        }
+        assert!(budget.take_due(Some(t + 59_999)).is_empty(), "still open");
+        assert!(budget.admit(t + 60_000), "a new window, a new cap");
+        budget.coalesce(t + 60_001, &id(99), DeathReason::Gone);
+        let due = budget.take_due(Some(t + 60_001));
+        assert_eq!(due.len(), 1);
+        let d = &due[0];
+        assert_eq!((d.from, d.to), (t, t + 60_000));
+        assert_eq!((d.count, d.gone, d.expired), (30, 20, 10));
+        assert_eq!(d.sample.len(), DIGEST_SAMPLE);
+        budget.restore(d.clone());
+        let all = budget.take_due(None);
+        assert_eq!(all.iter().map(|d| d.count).sum::<u64>(), 31);
+        assert!(budget.take_due(None).is_empty());
+    }
+
+    /// An internal literal would be refused at every delivery, so it is refused at start-up,
+    /// unless the alert receiver is declared internal.
+    #[test]
+    fn an_internal_webhook_url_needs_its_own_switch() {
+        let secret = "secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"";
+        for url in [
+            "http://169.254.169.254/latest/meta-data",
+            "http://127.0.0.1:9/hooks",
+            "http://10.1.2.3/hooks",
+            "http://[::1]/hooks",
+        ] {
+            let text = format!("webhook_url = \"{url}\"\n{secret}");
+            let err = load(&text).unwrap_err();
+            assert!(err.contains("alerts.webhook_url"), "{url}: {err}");
+            assert!(err.contains("alerts.allow_private_webhook_url"), "{err}");
+            let allowed = format!("{text}\nallow_private_webhook_url = true");
+            let alerts = load(&allowed).unwrap().alerts.unwrap();
+            assert!(alerts.allow_private_webhook_url);
+        }
     }
 }

@@ -26,6 +26,7 @@ pub mod http;
 pub mod inbound;
 pub mod metrics;
 pub mod payment;
+pub mod redact;
 pub mod stats;
 pub mod store;
 pub mod trace;

@@ -88,6 +88,8 @@ pub const NOTIFICATION_OUTCOMES: &[&str] = &[
 ];
 const KINDS: &[&str] = &["inbound", "notification"];
 const DEATH_REASONS: &[&str] = &["gone", "expired"];
+/// An alert of one death has its reason; a digest covers many.
+const ALERT_REASONS: &[&str] = &["gone", "expired", "digest"];
 const FAILURE_CLASSES: &[&str] = &[
     "1xx",
     "3xx",
@@ -178,8 +180,8 @@ pub const CATALOGUE: [MetricDoc; 15] = [
     MetricDoc {
         name: ALERTS,
         labels: &["reason"],
-        meaning: "Dead-letter alerts recorded for delivery to [alerts] webhook_url",
-        values: &[("reason", DEATH_REASONS)],
+        meaning: "Dead-letter alerts recorded for delivery to [alerts] webhook_url: one per death, or a digest of a window's deaths beyond the cap",
+        values: &[("reason", ALERT_REASONS)],
     },
     MetricDoc {
         name: OLDEST_PENDING_AGE,

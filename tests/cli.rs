@@ -143,3 +143,46 @@ async fn messages_list_is_a_table_on_a_terminal_and_json_otherwise() {
     assert_eq!(lines[2], "1 message(s); end of the list");
     server.stop().await;
 }
+
+/// `check-config` refuses an alert URL on an internal literal, naming `alerts.webhook_url`
+/// (every delivery to it would be refused and the operator never alerted), and accepts it
+/// with `alerts.allow_private_webhook_url = true`.
+#[test]
+fn check_config_refuses_an_internal_alert_url_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, extra: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[store]\nurl = \"sqlite://{}\"\n[alerts]\n\
+                 webhook_url = \"http://169.254.169.254/latest/hooks\"\n\
+                 secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n{extra}",
+                dir.path().join("a.db").display()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let refused = callbackd(&[
+        "check-config",
+        "--config",
+        write("refused.toml", "").to_str().unwrap(),
+    ]);
+    assert!(!refused.status.success(), "{refused:?}");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("alerts.webhook_url"), "{stderr}");
+    assert!(
+        stderr.contains("alerts.allow_private_webhook_url"),
+        "{stderr}"
+    );
+
+    let allowed = callbackd(&[
+        "check-config",
+        "--config",
+        write("allowed.toml", "allow_private_webhook_url = true\n")
+            .to_str()
+            .unwrap(),
+    ]);
+    assert!(allowed.status.success(), "{allowed:?}");
+}

@@ -89,6 +89,89 @@ async fn each_attempt_keeps_the_receivers_answer() {
     server.stop().await;
 }
 
+/// What the stored answer of `attempt` costs as JSON: its body's serialized length.
+fn stored_body_bytes(attempt: &Value) -> usize {
+    serde_json::to_string(&attempt["response"]["body"])
+        .unwrap()
+        .len()
+}
+
+/// A receiver answering 2,000 NUL bytes, then 2,000 bytes of invalid UTF-8, then text, all
+/// 503: each stored body stays within the 2 KB budget as stored (JSON escapes and U+FFFD
+/// counted), and after a dozen attempts only the first and the latest 5 rows keep a body.
+async fn answers_are_bounded_as_stored_on(store_url: &str) {
+    let (server, clock, d) = virtual_server(store_url, |_| {}).await;
+    let sink = Sink::answering(|_, n| Answer {
+        reply: Reply::status(503),
+        content_type: Some("application/octet-stream".into()),
+        body: match n {
+            0 => vec![0u8; 2000],
+            1 => vec![0xFFu8; 2000],
+            n => format!("busy {n}").into_bytes(),
+        },
+    })
+    .await;
+    let id = server
+        .hand_off_id(&handoff(
+            "p-binary",
+            "approved",
+            &format!("{}/cb", sink.url),
+        ))
+        .await;
+    d.tick().await;
+    clock.advance(3_600_000);
+    d.tick().await;
+    let v = view(&server, &id).await;
+    let budget = callbackd::store::KEPT_BODY_BYTES + 2;
+    for attempt in &v["attempts"].as_array().unwrap()[..2] {
+        let stored = stored_body_bytes(attempt);
+        assert!(stored <= budget, "{stored} bytes stored: {attempt}");
+        assert!(stored > 1_000, "most of the budget is used: {attempt}");
+        assert_eq!(attempt["response"]["bodyTruncated"], true);
+    }
+    assert!(
+        v["attempts"][0]["response"]["body"]
+            .as_str()
+            .unwrap()
+            .starts_with("\0\0")
+    );
+
+    for _ in 2..12 {
+        clock.advance(3_600_000);
+        d.tick().await;
+    }
+    let v = view(&server, &id).await;
+    let attempts = v["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 12);
+    for (i, attempt) in attempts.iter().enumerate() {
+        let answer = &attempt["response"];
+        let keeps = i == 0 || i >= 12 - callbackd::store::ANSWER_BODY_ROWS;
+        assert_eq!(answer["body"] != "", keeps, "row {i}: {attempt}");
+        assert_eq!(answer.get("bodyDropped").is_some(), !keeps, "row {i}");
+        assert_eq!(attempt["status"], 503, "row {i} keeps its status");
+        assert_eq!(answer["contentType"], "application/octet-stream");
+    }
+    assert_eq!(attempts[11]["response"]["body"], "busy 11");
+    let total: usize = attempts.iter().map(stored_body_bytes).sum();
+    assert!(
+        total <= 6 * budget,
+        "{total} bytes of bodies for 12 attempts"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn stored_answers_are_bounded_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    answers_are_bounded_as_stored_on(&sqlite_url(&dir)).await;
+}
+
+#[tokio::test]
+async fn stored_answers_are_bounded_on_redis() {
+    let redis = RedisServer::start();
+    answers_are_bounded_as_stored_on(&redis.url()).await;
+}
+
 /// A sink answering by path: `/ok` 204, `/gone` 410, anything else 503.
 async fn path_sink() -> Sink {
     Sink::start(|r, _| {
@@ -416,6 +499,10 @@ fn alerts_to(sink: &Sink, secret: &str) -> AlertsConfig {
         webhook_url: format!("{}/alerts", sink.url),
         secret: secret.to_string(),
         console_url: Some("https://ops.example.com/".into()),
+        // The sink is on 127.0.0.1.
+        allow_private_webhook_url: true,
+        digest_interval_secs: 60,
+        max_alerts_per_interval: 10,
     }
 }
 
@@ -556,6 +643,219 @@ async fn an_expired_callback_is_announced_and_a_dead_alert_is_not() {
     let all: Value = server.admin_get("/v1/messages").await.json().await.unwrap();
     assert_eq!(all["messages"].as_array().unwrap().len(), 2);
     server.stop().await;
+}
+
+/// A gateway signs its `callbackUrl` in the query. The receiver gets the URL byte for byte,
+/// but no view shows the query's values: not the API's `targetUrl` (detail and list, which the
+/// console's Target field shows), nor the `message.dead` alert.
+#[tokio::test]
+async fn a_signed_callback_url_is_delivered_exactly_and_shown_redacted() {
+    const SECRET_QUERY: &str = "X-VTEX-signature=sig%2Fs3cret&an=AppKey-7";
+    let dir = tempfile::tempdir().unwrap();
+    let (secret, _) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let (server, _clock, d) = virtual_server(&sqlite_url(&dir), |c| {
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+    })
+    .await;
+    let sink = path_sink().await;
+    let url = format!("{}/gone?{SECRET_QUERY}", sink.url);
+    let id = server
+        .hand_off_id(&handoff("p-signed-url", "approved", &url))
+        .await;
+    d.tick().await;
+    assert_eq!(sink.count(), 1);
+    assert_eq!(sink.received()[0].uri, format!("/gone?{SECRET_QUERY}"));
+    let shown = format!(
+        "{}/gone?X-VTEX-signature=[redacted]&an=[redacted]",
+        sink.url
+    );
+
+    let detail = server.admin_get(&format!("/v1/messages/{id}")).await;
+    let detail = detail.text().await.unwrap();
+    let view: Value = serde_json::from_str(&detail).unwrap();
+    assert_eq!(view["targetUrl"], shown.as_str());
+    let list = server
+        .admin_get("/v1/messages?paymentId=p-signed-url")
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::from_str::<Value>(&list).unwrap()["messages"][0]["targetUrl"],
+        shown.as_str()
+    );
+    assert_eq!(alert_sink.count(), 1);
+    let alert = &alert_sink.received()[0];
+    assert_eq!(alert.json()["data"]["targetUrl"], shown.as_str());
+    for text in [&detail, &list, &alert.body] {
+        assert!(
+            !text.contains("s3cret") && !text.contains("AppKey-7"),
+            "{text}"
+        );
+    }
+    server.stop().await;
+}
+
+/// `alerts.allow_private_webhook_url` lets alerts reach an internal receiver (the sink on
+/// 127.0.0.1) while `dispatch.allow_private_networks` stays off: the alert is delivered, and a
+/// connector's `callbackUrl` on the same address is still refused.
+#[tokio::test]
+async fn an_allowed_private_alert_url_is_delivered_without_opening_callback_urls() {
+    let dir = tempfile::tempdir().unwrap();
+    let (secret, _) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let target = path_sink().await;
+    let (server, _clock, d) = virtual_server(&sqlite_url(&dir), |c| {
+        c.dispatch.allow_private_networks = false;
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+        // The source's own switch lets its forward reach the sink, which answers 410.
+        c.sources.get_mut("payzu").unwrap().forward_url = Some(format!("{}/gone", target.url));
+    })
+    .await;
+    let body = r#"{"id":"tx:private-alert","status":"COMPLETED","type":"DEPOSIT","method":"PIX","amount":1}"#;
+    assert_eq!(
+        server.post_callback("payzu", body, None).await.status(),
+        200
+    );
+    d.tick().await;
+    assert_eq!(target.count(), 1);
+    assert_eq!(
+        alert_sink.count(),
+        1,
+        "the alert reached the internal receiver"
+    );
+    let alert_id = alert_sink.received()[0].header("webhook-id").unwrap();
+    assert_eq!(view(&server, &alert_id).await["state"], "delivered");
+    assert_eq!(
+        alert_sink.received()[0].json()["data"]["transactionId"],
+        "tx:private-alert"
+    );
+
+    let refused = server
+        .notify(&handoff(
+            "p-internal",
+            "approved",
+            &format!("{}/ok", target.url),
+        ))
+        .await;
+    assert_eq!(refused.status(), 400, "callbackUrls are still guarded");
+    server.stop().await;
+}
+
+/// 1,000 messages dying at once: the first 10 of the minute are announced one by one, the
+/// rest by one `message.dead.digest` when the minute is over, with counts and a link to the
+/// dead-letter list. A few webhooks, which together account for every death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_deaths_at_once_are_a_few_alerts_that_account_for_all() {
+    const DEATHS: usize = 1_000;
+    let redis = RedisServer::start();
+    let (secret, verifier) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let (server, clock, d) = virtual_server(&redis.url(), |c| {
+        c.alerts = Some(alerts_to(&alert_sink, &secret));
+    })
+    .await;
+    let sink = path_sink().await;
+    let gone = format!("{}/gone", sink.url);
+    for chunk in 0..DEATHS / 50 {
+        let handoffs = (0..50).map(|i| {
+            let body = handoff(&format!("p-storm-{chunk}-{i}"), "approved", &gone);
+            let server = &server;
+            async move {
+                assert_eq!(server.notify(&body).await.status(), 202);
+            }
+        });
+        futures::future::join_all(handoffs).await;
+    }
+    d.tick().await;
+    assert_eq!(sink.count(), DEATHS);
+    assert_eq!(server.app.store.depth().await.unwrap().dead, DEATHS as u64);
+    assert_eq!(alert_sink.count(), 10, "the cap's alerts went out at once");
+
+    clock.advance(60_000);
+    d.tick().await;
+    let received = alert_sink.received();
+    assert!(received.len() <= 30, "{} webhooks", received.len());
+    let mut announced = 0;
+    let mut digests = 0;
+    for r in &received {
+        let ts: i64 = r.header("webhook-timestamp").unwrap().parse().unwrap();
+        verifier
+            .verify(&r.headers, r.body.as_bytes(), ts)
+            .expect("every alert is signed");
+        let body = r.json();
+        match body["type"].as_str().unwrap() {
+            "message.dead" => announced += 1,
+            "message.dead.digest" => {
+                digests += 1;
+                let data = &body["data"];
+                let count = data["count"].as_u64().unwrap();
+                assert_eq!(data["reasons"]["gone"], count);
+                assert_eq!(data["messageIds"].as_array().unwrap().len(), 20);
+                assert_eq!(
+                    data["consoleUrl"],
+                    "https://ops.example.com/console/messages?state=dead"
+                );
+                assert_eq!(
+                    r.header("x-callback-event").as_deref(),
+                    Some("message.dead.digest")
+                );
+                announced += count;
+            }
+            other => panic!("unexpected alert {other}"),
+        }
+    }
+    assert_eq!(digests, 1);
+    assert_eq!(announced, DEATHS as u64, "every death is accounted for");
+    server.stop().await;
+}
+
+/// A window's digest lives in the process until the window ends; a process that stops
+/// records it first (the next process delivers it), so a graceful restart loses no count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_process_records_its_open_windows_digest() {
+    let dir = tempfile::tempdir().unwrap();
+    let (secret, _) = vector_checked_verifier();
+    let alert_sink = Sink::start(|_, _| Reply::status(204)).await;
+    let (server, _clock) = support::virtual_loop_server(&sqlite_url(&dir), |c| {
+        let mut alerts = alerts_to(&alert_sink, &secret);
+        alerts.max_alerts_per_interval = 0;
+        c.alerts = Some(alerts);
+    })
+    .await;
+    let sink = path_sink().await;
+    for n in 0..3 {
+        server
+            .hand_off_id(&handoff(
+                &format!("p-stop-{n}"),
+                "approved",
+                &format!("{}/gone", sink.url),
+            ))
+            .await;
+    }
+    let store = server.app.store.clone();
+    support::eventually(10, "three deaths", || async {
+        (store.depth().await.unwrap().dead == 3).then_some(())
+    })
+    .await;
+    assert_eq!(alert_sink.count(), 0, "the window is still open");
+    server.stop().await;
+    let page = store
+        .list(&callbackd::store::ListFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let digests: Vec<Value> = page
+        .messages
+        .iter()
+        .filter(|r| r.message.event.as_deref() == Some("message.dead.digest"))
+        .map(|r| serde_json::from_str(&r.message.body).unwrap())
+        .collect();
+    assert_eq!(digests.len(), 1, "one digest recorded at the stop");
+    assert_eq!(digests[0]["data"]["count"], 3);
 }
 
 fn trace_of(received: &support::sink::Received) -> TraceParent {

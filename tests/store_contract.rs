@@ -287,6 +287,7 @@ contract!(
     a_signature_is_single_use_while_it_could_verify,
     a_seal_ends_with_its_claim_at_the_latest,
     history_keeps_the_first_and_the_latest_rows_and_counts_every_row,
+    only_the_first_and_the_latest_rows_keep_answer_bodies,
     list_pages_carry_counts_but_no_histories,
     everything_of_a_finished_message_is_swept_after_the_retention,
     retries_days_ahead_become_due_exactly_at_their_time,
@@ -636,6 +637,7 @@ fn delivery(attempt: u32, at: Millis, status: u16) -> DeliveryAttempt {
             retry_after: None,
             body: format!("{{\"status\":{status}}}"),
             body_truncated: false,
+            body_dropped: false,
         }),
     }
 }
@@ -2227,6 +2229,61 @@ async fn history_keeps_the_first_and_the_latest_rows_and_counts_every_row(h: &Ha
     let tail: Vec<u32> = record.history[1..].iter().map(attempt_no).collect();
     let want: Vec<u32> = (52..=150).chain([0]).collect();
     assert_eq!(tail, want, "then the latest 100 rows, in order");
+}
+
+/// A receiver's answer body is kept in the first row and the latest `ANSWER_BODY_ROWS` rows
+/// (resend marks count as rows); an older row keeps everything else and says its body was
+/// dropped, so a message retried for days stores a handful of bodies.
+async fn only_the_first_and_the_latest_rows_keep_answer_bodies(h: &Harness) {
+    use callbackd::store::ANSWER_BODY_ROWS;
+    let s = h.s();
+    let id = accept_new(s, "pay/chatty", T0).await;
+    let mut now = T0;
+    let mut rows: Vec<HistoryEntry> = Vec::new();
+    for n in 1..=9u32 {
+        let c = claim_one(s, now, &id).await;
+        let row = delivery(n, now, 503);
+        rows.push(row.clone().into());
+        assert!(
+            s.complete(&c, row, Completion::Retry { next_at: now + 1 }, now)
+                .await
+                .unwrap()
+        );
+        now += 1;
+    }
+    let mark = resend_mark(now);
+    s.resend(&id, mark.clone(), now + DAY_MS, now)
+        .await
+        .unwrap();
+    rows.push(mark.into());
+    let c = claim_one(s, now, &id).await;
+    let last = delivery(10, now, 503);
+    assert!(
+        s.complete(&c, last.clone(), Completion::Delivered, now)
+            .await
+            .unwrap()
+    );
+    rows.push(last.into());
+    let kept_from = rows.len() - ANSWER_BODY_ROWS;
+    let expected: Vec<HistoryEntry> = rows
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut row)| {
+            if i >= 1 && i < kept_from {
+                assert!(row.drop_answer_body());
+            }
+            row
+        })
+        .collect();
+    let history = get(s, &id).await.history;
+    let with_bodies: Vec<u32> = history
+        .iter()
+        .filter_map(|r| r.delivery())
+        .filter(|d| d.response.as_ref().is_some_and(|a| !a.body.is_empty()))
+        .map(|d| d.attempt)
+        .collect();
+    assert_eq!(with_bodies, vec![1, 7, 8, 9, 10]);
+    assert_eq!(history, expected);
 }
 
 async fn list_pages_carry_counts_but_no_histories(h: &Harness) {

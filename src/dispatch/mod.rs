@@ -23,7 +23,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::alerts::{Alerts, DeathReason, is_alert};
+use crate::alerts::{AlertBudget, Alerts, DeathReason, is_alert};
 use crate::clock::{Clock, format_delay, format_iso};
 use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources, millis};
 use crate::metrics as m;
@@ -58,6 +58,20 @@ pub struct Dispatcher {
     stats: Option<Arc<DeliveryStats>>,
     /// Where dead letters are announced (`[alerts]`), if anywhere.
     alerts: Option<Alerts>,
+    /// This process's count of deaths per alert window: which get an alert of their own, and
+    /// the digests of the rest.
+    budget: Mutex<AlertBudget>,
+}
+
+/// How a death is announced.
+enum Announcement {
+    /// Nothing to announce (not a death, an alert's death, no `[alerts]`), or its own alert is
+    /// recorded: record the death.
+    Done,
+    /// Beyond the window's cap: record the death, then count it in the window's digest.
+    Coalesce(DeathReason),
+    /// Its alert could not be recorded: leave the death unrecorded.
+    Failed,
 }
 
 impl Dispatcher {
@@ -95,6 +109,13 @@ impl Dispatcher {
             in_flight: Mutex::new(HashMap::new()),
             wake,
             stats: None,
+            budget: Mutex::new(
+                settings
+                    .alerts
+                    .as_ref()
+                    .map(Alerts::budget)
+                    .unwrap_or_else(|| AlertBudget::new(1, 0)),
+            ),
             alerts: settings.alerts.clone(),
         })
     }
@@ -108,9 +129,12 @@ impl Dispatcher {
     /// Claims what is due now (up to the free permits) and starts delivering it in `tasks`.
     /// Returns how many messages were claimed.
     async fn claim_and_spawn(self: &Arc<Self>, tasks: &mut JoinSet<()>) -> usize {
+        // A window's digest is due when the window ends, however busy the workers are.
+        self.send_digests(Some(self.clock.now_ms())).await;
         // At most one host's worth per claim: when every due message goes to the same gateway
-        // (the common case), a bigger claim would only lease messages that then wait for a
-        // host permit and go back to the queue.
+        // (the common case), a bigger claim would only lease messages that go back to the
+        // queue; and no more than the waiting room for slots holds, so that a busy host's
+        // backlog stays in the store.
         let free = self
             .permits
             .available_permits()
@@ -211,6 +235,37 @@ impl Dispatcher {
             while tasks.join_next().await.is_some() {}
         }
         self.release_unfinished().await;
+        // Windows still open are announced now: their counts live only in this process.
+        self.send_digests(None).await;
+    }
+
+    /// Records the digests of the alert windows over at `until` (all of them with `None`),
+    /// each as a durable alert message. One that cannot be recorded is kept for the next call.
+    async fn send_digests(&self, until: Option<Millis>) {
+        let Some(alerts) = &self.alerts else {
+            return;
+        };
+        let due = match self.budget.lock() {
+            Ok(mut budget) => budget.take_due(until),
+            Err(_) => return,
+        };
+        for digest in due {
+            let now = self.clock.now_ms();
+            let request = alerts.digest(&digest, now, self.store.partitions());
+            match self.store.accept(request, now).await {
+                Ok(_) => {
+                    metrics::counter!(m::ALERTS, "reason" => "digest").increment(1);
+                    self.wake.notify_one();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, count = digest.count,
+                        "cannot record the dead-letter digest yet");
+                    if let Ok(mut budget) = self.budget.lock() {
+                        budget.restore(digest);
+                    }
+                }
+            }
+        }
     }
 
     async fn release_unfinished(&self) {
@@ -244,13 +299,16 @@ impl Dispatcher {
     /// Delivers `c` to `url` and records the outcome, holding a global permit and a slot
     /// to the host until it is recorded.
     async fn deliver(&self, c: Lease, url: String, _permit: OwnedSemaphorePermit, _slot: Slot) {
-        let forward = match &self.alerts {
-            // Alerts are signed with the alert secret, so the receiver can trust them.
-            Some(alerts) if is_alert(&c.message) => ForwardSettings {
+        let alert_target = self.alerts.as_ref().filter(|_| is_alert(&c.message));
+        let forward = match alert_target {
+            // Alerts are signed with the alert secret, so the receiver can trust them, and go
+            // by their own SSRF switch (`alerts.allow_private_webhook_url`).
+            Some(alerts) => ForwardSettings {
                 signing_secret: Some(alerts.secret().to_vec()),
+                ssrf: alerts.ssrf(),
                 ..ForwardSettings::default()
             },
-            _ => c
+            None => c
                 .message
                 .source
                 .as_ref()
@@ -265,11 +323,11 @@ impl Dispatcher {
             forward.signing_secret.as_deref(),
             self.clock.now_secs(),
         );
-        // Notifications (and alerts, which are recorded as notifications) go by
-        // `dispatch.allow_private_networks`; a source's forwards by its own switch.
+        // Connectors' notifications go by `dispatch.allow_private_networks`; a source's
+        // forwards and the alerts by their own switches.
         let allow_private = match c.message.kind {
-            MessageKind::Notification => self.settings.callback_ssrf,
-            MessageKind::Inbound => forward.ssrf,
+            MessageKind::Notification if alert_target.is_none() => self.settings.callback_ssrf,
+            _ => forward.ssrf,
         }
         .allow_private;
         let client = if allow_private {
@@ -302,54 +360,75 @@ impl Dispatcher {
             latency_ms: Some(latency.as_millis() as u64),
             response: result.response.clone(),
         };
-        if !self.announce_death(&c, &attempt, verdict, now).await {
+        match self.announce_death(&c, &attempt, verdict, now).await {
             // Not recorded: the lease runs out and the attempt is made again, so the death
             // is announced then rather than never.
-            self.untrack(&c);
-            return;
+            Announcement::Failed => {}
+            Announcement::Done => {
+                self.settle(&c, attempt, verdict, now).await;
+            }
+            // Counted once recorded, so an attempt made again after a lost lease is not
+            // counted twice.
+            Announcement::Coalesce(reason) => {
+                if self.settle(&c, attempt, verdict, now).await
+                    && let Ok(mut budget) = self.budget.lock()
+                {
+                    budget.coalesce(now, &c.message.id, reason);
+                }
+            }
         }
-        self.settle(&c, attempt, verdict, now).await;
         self.untrack(&c);
     }
 
     /// Accepts the dead-letter alert for a message this attempt kills, before its death is
-    /// recorded. False when the alert could not be recorded.
+    /// recorded, or leaves it to the window's digest when the window's cap is reached.
     async fn announce_death(
         &self,
         c: &Lease,
         attempt: &DeliveryAttempt,
         verdict: Verdict,
         now: i64,
-    ) -> bool {
+    ) -> Announcement {
         let reason = match verdict {
             Verdict::Gone => DeathReason::Gone,
             Verdict::Expired => DeathReason::Expired,
-            Verdict::Delivered | Verdict::Retry(_) => return true,
+            Verdict::Delivered | Verdict::Retry(_) => return Announcement::Done,
         };
         let Some(alert) = self
             .alerts
             .as_ref()
             .and_then(|a| a.dead_letter(c, attempt, reason, now, self.store.partitions()))
         else {
-            return true;
+            return Announcement::Done;
         };
+        let own_alert = self.budget.lock().map(|mut b| b.admit(now)).unwrap_or(true);
+        if !own_alert {
+            return Announcement::Coalesce(reason);
+        }
         for backoff_ms in [0, 100, 500, 2_000] {
             tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
             match self.store.accept(alert.clone(), now).await {
                 Ok(_) => {
                     metrics::counter!(m::ALERTS, "reason" => reason.as_str()).increment(1);
                     self.wake.notify_one();
-                    return true;
+                    return Announcement::Done;
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot record the dead-letter alert yet"),
             }
         }
-        false
+        Announcement::Failed
     }
 
     /// Records the outcome. A store error is retried briefly; if it persists, the lease
-    /// expires and the message is delivered again (at-least-once), never lost.
-    async fn settle(&self, c: &Lease, attempt: DeliveryAttempt, verdict: Verdict, now: i64) {
+    /// expires and the message is delivered again (at-least-once), never lost. True when the
+    /// outcome was recorded.
+    async fn settle(
+        &self,
+        c: &Lease,
+        attempt: DeliveryAttempt,
+        verdict: Verdict,
+        now: i64,
+    ) -> bool {
         for backoff_ms in [0, 100, 500, 2_000] {
             tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
             match self
@@ -359,15 +438,16 @@ impl Dispatcher {
             {
                 Ok(true) => {
                     tracing::debug!(status = attempt.status, "attempt recorded");
-                    return;
+                    return true;
                 }
                 Ok(false) => {
                     tracing::warn!("lease lost before the outcome was recorded");
-                    return;
+                    return false;
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot record the outcome yet"),
             }
         }
+        false
     }
 
     fn record_metrics(

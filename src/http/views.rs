@@ -10,12 +10,14 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use crate::clock::{Millis, format_iso};
+use crate::redact::display_url;
 use crate::store::{
     DeliveryAttempt, HistoryEntry, MessageKind, MessageRecord, MessageState, ReceiverAnswer,
     ResendMark,
 };
 
-/// A message as operators see it. Header values are redacted: they carry gateway tokens.
+/// A message as operators see it. Header values and the target's query values are redacted:
+/// they carry gateway tokens and signatures.
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MessageView {
@@ -31,6 +33,8 @@ pub struct MessageView {
     pub ordering_key: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub event: Option<String>,
+    /// Where it is delivered, every query value shown as `[redacted]` (a gateway signs its
+    /// `callbackUrl` in the query); deliveries use the URL as stored.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub target_url: Option<String>,
     pub headers: BTreeMap<String, String>,
@@ -61,7 +65,7 @@ impl MessageView {
             transaction_id: m.transaction_id,
             ordering_key: m.ordering_key,
             event: m.event,
-            target_url: m.target_url,
+            target_url: m.target_url.as_deref().map(display_url),
             headers: m
                 .headers
                 .into_keys()
@@ -162,12 +166,15 @@ pub struct AnswerView {
     /// `Retry-After` as sent (seconds or an HTTP date).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<String>,
-    /// The first [`KEPT_BODY_BYTES`] bytes of the body as text (invalid UTF-8 replaced).
+    /// The start of the body as text, at most 2 KB as stored (invalid UTF-8 replaced).
     #[schema(required = false)]
     pub body: String,
     /// True when the body was longer than what is kept.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub body_truncated: bool,
+    /// True when the body is no longer kept: only the first row and the latest 5 keep theirs.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub body_dropped: bool,
 }
 
 impl From<ReceiverAnswer> for AnswerView {
@@ -177,12 +184,14 @@ impl From<ReceiverAnswer> for AnswerView {
             retry_after,
             body,
             body_truncated,
+            body_dropped,
         } = answer;
         AnswerView {
             content_type,
             retry_after,
             body,
             body_truncated,
+            body_dropped,
         }
     }
 }

@@ -24,8 +24,9 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::{
-    AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL, HistoryEntry, Lease,
-    MessageId, MessageRecord, MessageState, NewMessage, QueueDepth, ResendEffect, ResendMark,
+    ANSWER_BODY_ROWS, AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL,
+    HistoryEntry, Lease, MessageId, MessageRecord, MessageState, NewMessage, QueueDepth,
+    ResendEffect, ResendMark,
 };
 use crate::clock::Millis;
 
@@ -112,12 +113,18 @@ impl Message {
         }
     }
 
-    /// Appends a history row, keeping the first and the latest [`HISTORY_TAIL`].
+    /// Appends a history row, keeping the first and the latest [`HISTORY_TAIL`]; the row that
+    /// leaves the latest [`ANSWER_BODY_ROWS`] (unless it is the first) drops its answer's body.
     fn append_history(&mut self, row: HistoryEntry) {
         self.history.push(row);
         self.history_total += 1;
         if self.history.len() > HISTORY_TAIL + 1 {
             self.history.remove(1);
+        }
+        if let Some(older) = self.history.len().checked_sub(ANSWER_BODY_ROWS + 1)
+            && older >= 1
+        {
+            self.history[older].drop_answer_body();
         }
     }
 

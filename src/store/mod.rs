@@ -303,9 +303,16 @@ pub struct ResendMark {
     pub request_id: Option<String>,
 }
 
-/// Bytes of a receiver's body kept with its attempt: enough to read why it refused, bounded so
-/// a chatty receiver cannot grow a message's history (at most 101 rows are kept).
+/// Bytes a receiver's kept body may take as stored (JSON): enough to read why it refused,
+/// bounded so a chatty receiver cannot grow a message's history. A control character counts
+/// as its JSON escape (`\u0000` is 6 bytes), an invalid UTF-8 byte as the U+FFFD it becomes
+/// (3), so a body of NULs or binary costs no more than text; a quote or backslash is counted
+/// as one byte, though JSON stores it as two.
 pub const KEPT_BODY_BYTES: usize = 2048;
+/// History rows, besides the first, that keep their answer's body: the latest ones. An older
+/// row keeps its status, headers and latency but drops the body (`body_dropped`), so a message
+/// retried for days stores a handful of bodies, not one per row.
+pub const ANSWER_BODY_ROWS: usize = 5;
 /// Characters of a kept response header value.
 pub const KEPT_HEADER_CHARS: usize = 256;
 
@@ -318,38 +325,78 @@ pub struct ReceiverAnswer {
     /// `Retry-After` as sent (seconds or an HTTP date).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<String>,
-    /// The first [`KEPT_BODY_BYTES`] bytes of the body as text (invalid UTF-8 replaced).
+    /// The start of the body as text, within [`KEPT_BODY_BYTES`] as stored (invalid UTF-8
+    /// replaced).
     #[serde(default)]
     pub body: String,
     /// True when the body was longer than what is kept.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub body_truncated: bool,
+    /// True when the body was dropped because the row is neither the first nor one of the
+    /// latest [`ANSWER_BODY_ROWS`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub body_dropped: bool,
 }
 
 impl ReceiverAnswer {
-    /// Keeps the first [`KEPT_BODY_BYTES`] of `body` (cut on a character boundary) and
-    /// bounded header values.
+    /// Keeps the start of `body` within [`KEPT_BODY_BYTES`] as stored (cut on a character
+    /// boundary) and bounded header values.
     pub fn new(
         content_type: Option<&str>,
         retry_after: Option<&str>,
         body: &[u8],
         truncated: bool,
     ) -> ReceiverAnswer {
-        let cut = &body[..body.len().min(KEPT_BODY_BYTES)];
-        let text = match std::str::from_utf8(cut) {
-            Ok(s) => s.to_string(),
-            // Only the cut split a character: drop its first bytes.
-            Err(e) if e.error_len().is_none() => {
-                String::from_utf8_lossy(&cut[..e.valid_up_to()]).into_owned()
+        let mut text = String::new();
+        let mut stored = 0;
+        let mut complete = true;
+        'kept: for chunk in body.utf8_chunks() {
+            let invalid = (!chunk.invalid().is_empty()).then_some(char::REPLACEMENT_CHARACTER);
+            for c in chunk.valid().chars().chain(invalid) {
+                let cost = stored_bytes(c);
+                if stored + cost > KEPT_BODY_BYTES {
+                    complete = false;
+                    break 'kept;
+                }
+                stored += cost;
+                text.push(c);
             }
-            Err(_) => String::from_utf8_lossy(cut).into_owned(),
-        };
+        }
         let header = |v: Option<&str>| v.map(|v| v.chars().take(KEPT_HEADER_CHARS).collect());
         ReceiverAnswer {
             content_type: header(content_type),
             retry_after: header(retry_after),
             body: text,
-            body_truncated: truncated || body.len() > KEPT_BODY_BYTES,
+            body_truncated: truncated || !complete,
+            body_dropped: false,
+        }
+    }
+}
+
+/// Bytes `c` takes in a JSON string, escapes included (quotes and backslashes aside, see
+/// [`KEPT_BODY_BYTES`]).
+fn stored_bytes(c: char) -> usize {
+    match c {
+        '\u{8}' | '\t' | '\n' | '\u{c}' | '\r' => 2,
+        c if u32::from(c) < 0x20 => 6,
+        c => c.len_utf8(),
+    }
+}
+
+impl HistoryEntry {
+    /// Drops the body of the receiver's answer this row keeps, if any: the row has left the
+    /// latest [`ANSWER_BODY_ROWS`]. True when something was dropped.
+    pub fn drop_answer_body(&mut self) -> bool {
+        match self {
+            HistoryEntry::Delivery(DeliveryAttempt {
+                response: Some(answer),
+                ..
+            }) if !answer.body.is_empty() => {
+                answer.body = String::new();
+                answer.body_dropped = true;
+                true
+            }
+            _ => false,
         }
     }
 }

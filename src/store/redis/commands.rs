@@ -10,9 +10,9 @@ use super::{RedisStore, corrupt, one_call, reads, script_call, to_json};
 use crate::clock::Millis;
 use crate::store::ids::claim_tail;
 use crate::store::{
-    AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL, HistoryEntry, Lease,
-    MessageId, MessageState, OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT,
-    StoreError, decode_operation, encode_finished_operation, encode_running_operation,
+    ANSWER_BODY_ROWS, AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL,
+    HistoryEntry, Lease, MessageId, MessageState, OperationReservation, ResendEffect, ResendMark,
+    SWEEP_LIMIT, StoreError, decode_operation, encode_finished_operation, encode_running_operation,
 };
 
 /// The scripts, compiled in. History appends and lifetimes are shared Lua (`history.lua`,
@@ -202,7 +202,8 @@ pub(super) async fn complete(
         .arg(next_at)
         .arg(now)
         .arg(store.retention_secs)
-        .arg(HISTORY_TAIL);
+        .arg(HISTORY_TAIL)
+        .arg(ANSWER_BODY_ROWS);
     // 2: applied, and something of the partition was made due (a retry, a resend's attempt,
     // the next message of the key)
     let done: i64 = store.eval(script, &call).await?;
@@ -268,7 +269,8 @@ pub(super) async fn resend(
         .arg(to_json(&HistoryEntry::Resend(mark))?)
         .arg(fresh_deadline)
         .arg(now)
-        .arg(HISTORY_TAIL);
+        .arg(HISTORY_TAIL)
+        .arg(ANSWER_BODY_ROWS);
     let effect: String = store.eval(script, &call).await?;
     store.hints.wrote(id.partition());
     Ok(match effect.as_str() {

@@ -8,8 +8,9 @@ use super::error::{Db, corrupt};
 use super::{secs_to_ms, wall_clock_ms};
 use crate::clock::Millis;
 use crate::store::{
-    Completion, HISTORY_TAIL, Lease, MessageState, NewMessage, OperationReservation, ResendEffect,
-    SWEEP_LIMIT, StoreError, decode_operation, encode_finished_operation, encode_running_operation,
+    ANSWER_BODY_ROWS, Completion, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage,
+    OperationReservation, ResendEffect, SWEEP_LIMIT, StoreError, decode_operation,
+    encode_finished_operation, encode_running_operation,
 };
 
 /// Appends a message to its ordering queue; alone there, it is the head and due at `now`.
@@ -141,7 +142,8 @@ fn leased(conn: &Connection, lease: &Lease) -> Result<Option<Current>, StoreErro
     }))
 }
 
-/// Appends a history row, keeping the first row and the latest [`HISTORY_TAIL`].
+/// Appends a history row, keeping the first row and the latest [`HISTORY_TAIL`]; the row that
+/// leaves the latest [`ANSWER_BODY_ROWS`] drops its answer's body (store::lifecycle's rule).
 fn record_history(conn: &Connection, id: &str, attempt_json: &str) -> Result<(), StoreError> {
     conn.prepare_cached("INSERT INTO attempts (message_id, attempt_json) VALUES (?1, ?2)")
         .db()?
@@ -158,8 +160,37 @@ fn record_history(conn: &Connection, id: &str, attempt_json: &str) -> Result<(),
     )
     .db()?
     .execute(params![id, HISTORY_TAIL as i64 + 1])
-    .db()
-    .map(|_| ())
+    .db()?;
+    drop_older_answer_body(conn, id)
+}
+
+/// The row [`ANSWER_BODY_ROWS`] before the newest, unless it is the first, without its body.
+fn drop_older_answer_body(conn: &Connection, id: &str) -> Result<(), StoreError> {
+    let older: Option<(i64, String)> = conn
+        .prepare_cached(
+            "SELECT seq, attempt_json FROM attempts WHERE message_id = ?1 \
+             AND seq > (SELECT min(seq) FROM attempts WHERE message_id = ?1) \
+             ORDER BY seq DESC LIMIT 1 OFFSET ?2",
+        )
+        .db()?
+        .query_row(params![id, ANSWER_BODY_ROWS as i64], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()
+        .db()?;
+    let Some((seq, json)) = older else {
+        return Ok(());
+    };
+    let mut row: HistoryEntry = serde_json::from_str(&json).map_err(corrupt)?;
+    if !row.drop_answer_body() {
+        return Ok(());
+    }
+    let json = serde_json::to_string(&row).map_err(corrupt)?;
+    conn.prepare_cached("UPDATE attempts SET attempt_json = ?1 WHERE seq = ?2")
+        .db()?
+        .execute(params![json, seq])
+        .db()
+        .map(|_| ())
 }
 
 /// Implements store::lifecycle::complete (src/store/lifecycle.rs).

@@ -6,7 +6,7 @@
 --       6 in_flight index, 7 pending index, 8 index of the final state (delivered/dead),
 --       9 expiry bucket index
 -- ARGV: 1 id, 2 lease token, 3 outcome (delivered|retry|dead), 4 attempt json,
---       5 next attempt ms, 6 now ms, 7 retention secs, 8 history tail
+--       5 next attempt ms, 6 now ms, 7 retention secs, 8 history tail, 9 rows keeping bodies
 local id = ARGV[1]
 local cur = redis.call('HMGET', KEYS[1], 'state', 'lease', 'resume', 'again')
 if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[2] then
@@ -18,7 +18,7 @@ redis.call('ZREM', KEYS[3], id)
 -- or a finished message would be claimed (and its successor promoted) again.
 redis.call('ZREM', KEYS[4], id)
 redis.call('ZREM', KEYS[6], id)
-append_history(KEYS[1], KEYS[2], ARGV[4], tonumber(ARGV[8]))
+append_history(KEYS[1], KEYS[2], ARGV[4], tonumber(ARGV[8]), tonumber(ARGV[9]))
 redis.call('HINCRBY', KEYS[1], 'tries', 1)
 local outcome = ARGV[3]
 if outcome == 'retry' or cur[4] == '1' then

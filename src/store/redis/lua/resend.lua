@@ -2,7 +2,7 @@
 -- Orders one more delivery of a message and records the operator's mark.
 -- KEYS: 1 message hash, 2 attempts list, 3 due zset, 4 ordering queue, 5 pending index,
 --       6 delivered index, 7 dead index
--- ARGV: 1 id, 2 mark json, 3 fresh deadline ms, 4 now ms, 5 history tail
+-- ARGV: 1 id, 2 mark json, 3 fresh deadline ms, 4 now ms, 5 history tail, 6 rows keeping bodies
 local id = ARGV[1]
 local cur = redis.call('HMGET', KEYS[1], 'state', 'resume', 'tries', 'end')
 local state = cur[1]
@@ -14,7 +14,7 @@ local now = tonumber(ARGV[4])
 if cur[4] and tonumber(cur[4]) <= now then
   return 'skipped'
 end
-append_history(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[5]))
+append_history(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[5]), tonumber(ARGV[6]))
 if state == 'delivered' or state == 'dead' then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'dl', ARGV[3], 'rb', cur[3] or 0)
   -- live again: the sweeper skips its expiry member (v1 stores also had TTLs on these keys)

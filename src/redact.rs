@@ -1,0 +1,57 @@
+//! What an operator may see of a delivery target. A gateway signs its `callbackUrl` with a
+//! query parameter (`?X-VTEX-signature=…`), and other receivers put tokens there too, so every
+//! view of a URL (the API's `targetUrl`, hence the console, and the `message.dead` alert, often
+//! posted to a third-party chat) shows the query's names and never its values. Deliveries use
+//! the stored URL, byte for byte; this is only ever a copy for display.
+
+/// What replaces each query value.
+pub const REDACTED: &str = "[redacted]";
+
+/// `url` with every query value replaced by [`REDACTED`]; the scheme, host, path, the query's
+/// names and the fragment stay as written. Pure text work, so nothing is normalised on the way.
+pub fn display_url(url: &str) -> String {
+    let (before_fragment, fragment) = match url.split_once('#') {
+        Some((head, fragment)) => (head, Some(fragment)),
+        None => (url, None),
+    };
+    let Some((base, query)) = before_fragment.split_once('?') else {
+        return url.to_string();
+    };
+    let query = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) => format!("{name}={REDACTED}"),
+            None => pair.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("&");
+    match fragment {
+        Some(fragment) => format!("{base}?{query}#{fragment}"),
+        None => format!("{base}?{query}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_query_value_is_hidden_and_the_rest_kept() {
+        assert_eq!(
+            display_url("https://gw.example/cb?X-VTEX-signature=a%2Fb&an=1&flag"),
+            "https://gw.example/cb?X-VTEX-signature=[redacted]&an=[redacted]&flag"
+        );
+        assert_eq!(
+            display_url("http://h/p?t=s3cret#part"),
+            "http://h/p?t=[redacted]#part"
+        );
+        // Nothing to hide: the URL as written, not as a parser would normalise it.
+        for plain in [
+            "https://gw.example/cb",
+            "HTTP://H:80/a/../b#x=1",
+            "http://h/?",
+        ] {
+            assert_eq!(display_url(plain), plain);
+        }
+    }
+}
