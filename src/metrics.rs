@@ -33,8 +33,8 @@ pub const GAUGES: [&str; 5] = [
     BUILD_INFO,
 ];
 
-/// One metric as documented: the README's metrics table and the `/metrics` HELP lines are
-/// both made from this (a test holds the README to it).
+/// One metric as documented: the metrics table of docs/operations.md and the `/metrics` HELP lines are
+/// both made from this (a test holds the table to it).
 pub struct MetricDoc {
     pub name: &'static str,
     pub labels: &'static [&'static str],

@@ -1322,13 +1322,13 @@ async fn openapi_documents_every_route() {
     );
 }
 
-/// The rows of the README table that follows `heading`.
-fn readme_table(heading: &str) -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let after = readme
+/// The rows of the table that follows `heading` in the manual page `page` (under docs/).
+fn manual_table(page: &str, heading: &str) -> Vec<String> {
+    let path = format!("{}/docs/{page}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let after = text
         .split_once(heading)
-        .unwrap_or_else(|| panic!("README has no `{heading}`"))
+        .unwrap_or_else(|| panic!("{path} has no `{heading}`"))
         .1;
     after
         .lines()
@@ -1340,10 +1340,10 @@ fn readme_table(heading: &str) -> Vec<String> {
 }
 
 /// One catalogue of error codes (`ErrorCode`: every error is built from one of its codes, so
-/// nothing else can be emitted) and one of metrics feed the README, the OpenAPI document
+/// nothing else can be emitted) and one of metrics feed the manual (docs/), the OpenAPI document
 /// and the `/metrics` HELP text; this holds all three to them.
 #[tokio::test]
-async fn error_and_metric_catalogues_agree_with_readme_spec_and_help() {
+async fn error_and_metric_catalogues_agree_with_the_manual_spec_and_help() {
     use callbackd::http::error::ErrorCode;
     use callbackd::metrics::CATALOGUE;
 
@@ -1358,7 +1358,7 @@ async fn error_and_metric_catalogues_agree_with_readme_spec_and_help() {
             )
         })
         .collect();
-    assert_eq!(readme_table("### Errors"), expected, "README error table");
+    assert_eq!(manual_table("api.md", "### Errors"), expected, "the error table of docs/api.md");
 
     let backticked = |values: &[&str]| {
         values
@@ -1378,9 +1378,9 @@ async fn error_and_metric_catalogues_agree_with_readme_spec_and_help() {
         })
         .collect();
     assert_eq!(
-        readme_table("### Metrics"),
+        manual_table("operations.md", "### Metrics"),
         expected,
-        "README metrics table"
+        "the metrics table of docs/operations.md"
     );
 
     let redis = RedisServer::start();

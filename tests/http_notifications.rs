@@ -689,7 +689,7 @@ async fn seven_days_on_a_virtual_clock() {
     let (fewest, most) = failures_before(7 * 86_400_000 + 1);
     assert_eq!(
         fewest, 180,
-        "README: 180 attempts over 7 days without jitter"
+        "docs/delivery.md: 180 attempts over 7 days without jitter"
     );
     assert!(
         (fewest..=most).contains(&attempts),

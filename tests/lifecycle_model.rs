@@ -409,7 +409,7 @@ impl Run<'_> {
     }
 
     /// Everything readable agrees. A finished message past its retention counts as gone, but
-    /// reads may find it until a sweep deletes it (README, "Retention").
+    /// reads may find it until a sweep deletes it (docs/storage.md, "Retention").
     async fn compare(&self) -> Result<(), String> {
         let err = |e: callbackd::store::StoreError| e.to_string();
         let got = futures::future::try_join_all(self.ids.iter().map(|id| self.store.get(id)))

@@ -1,5 +1,5 @@
 //! `store.min_replicas_acked`: every write waits for replicas (`WAIT`), against a private
-//! master with a replica started with `--replicaof` (README.md, "Durability").
+//! master with a replica started with `--replicaof` (docs/storage.md, "Choosing a store").
 
 mod support;
 

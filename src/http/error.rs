@@ -1,7 +1,7 @@
 //! Every HTTP error of the API, mapped to a status and a JSON body in one place:
 //! `{"error": "<code>", "message": "<human text>"}`.
 //!
-//! [`ErrorCode`] is the one catalogue of codes: the README's error table, the OpenAPI
+//! [`ErrorCode`] is the one catalogue of codes: the error table of docs/api.md, the OpenAPI
 //! `ErrorBody.error` enum and the metric outcomes are checked against it, and an error can
 //! only be built from one of its codes.
 
@@ -25,7 +25,7 @@ macro_rules! error_catalogue {
         }
 
         impl ErrorCode {
-            /// Every code, in the order of the README's table.
+            /// Every code, in the order of docs/api.md's table.
             pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$variant),+];
 
             pub fn as_str(self) -> &'static str {

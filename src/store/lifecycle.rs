@@ -19,7 +19,7 @@
 //!   first, a payment's status `payment_retention_ms` after its
 //!   last transition, a finished message `retention_ms` after it finished (a recorded one
 //!   after its acceptance). Past its end a thing counts as gone; [`sweep`] deletes it
-//!   (README, "Retention").
+//!   (docs/storage.md, "Retention").
 
 use std::collections::{BTreeMap, VecDeque};
 

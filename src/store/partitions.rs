@@ -20,7 +20,7 @@ impl Partitions {
     pub const LEGACY: Partitions = Partitions(16);
     /// A new store's count when `store.partitions` is not set. 64 spreads over a cluster of a
     /// dozen masters (5 or 6 each once slots are balanced) while every claim, listing and
-    /// sweep, which ask each partition, stays a quarter of what 256 would cost; README.md,
+    /// sweep, which ask each partition, stays a quarter of what 256 would cost; docs/storage.md,
     /// "Partitions", has the reasoning.
     pub const DEFAULT: Partitions = Partitions(64);
     /// The largest count: partition numbers are one byte (two hex digits in an id).

@@ -28,7 +28,7 @@
 //! - **Replica acknowledgement on request.** With `store.min_replicas_acked = N` every write is
 //!   followed by `WAIT N` in the same round trip ([`RedisStore::write`]); fewer acks within
 //!   the store timeout is `Unavailable` (503), and the write stays for the retry to replay
-//!   (README.md, "Durability").
+//!   (docs/storage.md, "Choosing a store").
 //!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
 //! `reads.rs` answers the reads; both go through the round trips defined here, over the
