@@ -1358,7 +1358,11 @@ async fn error_and_metric_catalogues_agree_with_the_manual_spec_and_help() {
             )
         })
         .collect();
-    assert_eq!(manual_table("api.md", "### Errors"), expected, "the error table of docs/api.md");
+    assert_eq!(
+        manual_table("api.md", "### Errors"),
+        expected,
+        "the error table of docs/api.md"
+    );
 
     let backticked = |values: &[&str]| {
         values

@@ -18,7 +18,7 @@ use callbackd::store::redis::DEFAULT_KEY_PREFIX;
 
 use crate::daemon::Daemon;
 use crate::dispatch::{Drained, drain, hand_off};
-use crate::ingest::{accepted_fresh, ingest_make};
+use crate::load::{accepted_fresh, ingest_make};
 use crate::load::{closed_loop, percentiles};
 use crate::machine::{cpu_secs_fine, loadavg, machine_busy_secs};
 use crate::redis_stats::{self, command_stats_at, connect, reset_stats_at};

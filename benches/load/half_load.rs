@@ -3,8 +3,7 @@
 //! coordinated omission); then the same at 10%, the machine's latency floor.
 
 use crate::daemon::Daemon;
-use crate::ingest::{accepted_fresh, ingest_make};
-use crate::load::{open_loop, percentiles};
+use crate::load::{accepted_fresh, ingest_make, open_loop, percentiles};
 use crate::{Env, Report, ms, rate};
 
 pub async fn run(env: &Env, daemon: &Daemon, report: &mut Report, ingest_rate: f64) {

@@ -3,22 +3,12 @@
 //! ratio. The same process then serves phases 2 (half load) and 3 (duplicate storm).
 
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::client::{callback_request, payzu_body};
 use crate::daemon::Daemon;
-use crate::load::{Judge, MakeRequest, closed_loop, percentiles};
+use crate::load::{accepted_fresh, closed_loop, ingest_make, percentiles};
 use crate::machine::{CpuSnapshot, cpu_secs, peak_rss_mib, run_bounded};
 use crate::{CONCURRENCY, Env, Report, half_load, naive, rate, redis_stats, storm};
-
-pub fn ingest_make(host: String, tag: String) -> MakeRequest {
-    Arc::new(move |i| callback_request(&host, &payzu_body(&format!("tx-{tag}-{i}"))))
-}
-
-pub fn accepted_fresh() -> Judge {
-    Arc::new(|_, r| r.status == 200 && !r.replayed)
-}
 
 /// Phases 1-3 against one Redis-backed process.
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use tokio::sync::Semaphore;
 
-use crate::client::{Conn, Resp};
+use crate::client::{Conn, Resp, callback_request, payzu_body};
 use crate::{CONCURRENCY, ms};
 
 pub fn new_hist() -> Histogram<u64> {
@@ -223,4 +223,14 @@ pub async fn open_loop(
     let _ = tokio::task::spawn_blocking(move || pacer.join()).await;
     result.elapsed = start.elapsed();
     result
+}
+
+/// Signed PayZu callbacks of fresh transactions `tx-<tag>-<i>`, as the ingest phases send.
+pub fn ingest_make(host: String, tag: String) -> MakeRequest {
+    Arc::new(move |i| callback_request(&host, &payzu_body(&format!("tx-{tag}-{i}"))))
+}
+
+/// A first arrival, accepted: 200 and not a replay.
+pub fn accepted_fresh() -> Judge {
+    Arc::new(|_, r| r.status == 200 && !r.replayed)
 }

@@ -23,8 +23,7 @@ use callbackd::webhook::Verifier;
 use redis::aio::ConnectionManager;
 use tokio::io::AsyncBufReadExt;
 
-use crate::ingest::{accepted_fresh, ingest_make};
-use crate::load::{closed_loop, percentiles};
+use crate::load::{accepted_fresh, closed_loop, ingest_make, percentiles};
 use crate::machine::CpuSnapshot;
 use crate::{Env, Report, SECRET, rate};
 

@@ -2,7 +2,7 @@
 //! "sqlite://..."`).
 
 use crate::daemon::Daemon;
-use crate::ingest::{accepted_fresh, ingest_make};
+use crate::load::{accepted_fresh, ingest_make};
 use crate::load::{closed_loop, percentiles};
 use crate::machine::{CpuSnapshot, peak_rss_mib};
 use crate::{Env, Report, rate};

@@ -2,7 +2,7 @@
 //! `KEYS` and `ARGV` in the order given here) and decodes the reply. Resend operations are
 //! plain commands: they belong to no message.
 
-use redis::{Cmd, Pipeline, Script};
+use redis::{Cmd, Pipeline};
 
 use super::connection::Sent;
 use super::keys;
@@ -14,81 +14,6 @@ use crate::store::{
     HistoryEntry, Lease, MessageId, MessageState, OperationReservation, ResendEffect, ResendMark,
     SWEEP_LIMIT, StoreError, decode_operation, encode_finished_operation, encode_running_operation,
 };
-
-/// The scripts, compiled in. History appends and lifetimes are shared Lua (`history.lua`,
-/// `expiry.lua`), prepended to the scripts that use them.
-pub(super) struct Scripts {
-    accept: LuaScript,
-    pub(super) claim: LuaScript,
-    complete: LuaScript,
-    release: LuaScript,
-    resend: LuaScript,
-    sweep: LuaScript,
-    /// Writes nothing, but is flagged as a script that may: Redis refuses it exactly when it
-    /// would refuse a growing write, so `ping` learns the store is full without writing.
-    pub(super) full_probe: LuaScript,
-}
-
-/// A script called by its hash, with its text at hand to load it on a server that lacks it.
-pub(super) struct LuaScript {
-    script: Script,
-    source: &'static str,
-}
-
-impl LuaScript {
-    fn new(source: &'static str) -> LuaScript {
-        LuaScript {
-            script: Script::new(source),
-            source,
-        }
-    }
-
-    pub(super) fn source(&self) -> &'static str {
-        self.source
-    }
-
-    pub(super) fn hash(&self) -> &str {
-        self.script.get_hash()
-    }
-
-    /// `SCRIPT LOAD` of this script.
-    pub(super) fn load(&self) -> Cmd {
-        let mut load = redis::cmd("SCRIPT");
-        load.arg("LOAD").arg(self.source);
-        load
-    }
-}
-
-/// The first line of a script that grows memory. A script with this line is *flagged*: with
-/// no `allow-oom`, a Redis at `maxmemory` refuses it whole before it runs. A script without
-/// flags is checked only until its first write, and one that starts with a write Redis allows
-/// at OOM (`complete.lua`'s `ZREM`) would go on to grow memory past the limit.
-macro_rules! grows {
-    ($($part:literal),+ $(,)?) => { concat!("#!lua\n", $(include_str!($part)),+) };
-}
-
-impl Scripts {
-    pub(super) fn new() -> Scripts {
-        Scripts {
-            accept: LuaScript::new(grows!("lua/expiry.lua", "lua/accept.lua")),
-            claim: LuaScript::new(grows!("lua/claim.lua")),
-            complete: LuaScript::new(grows!(
-                "lua/history.lua",
-                "lua/expiry.lua",
-                "lua/complete.lua"
-            )),
-            release: LuaScript::new(grows!("lua/release.lua")),
-            resend: LuaScript::new(grows!("lua/history.lua", "lua/resend.lua")),
-            // Only deletes: it must run at OOM too, since it is what frees memory.
-            sweep: LuaScript::new(concat!(
-                "#!lua flags=allow-oom\n",
-                include_str!("lua/expiry.lua"),
-                include_str!("lua/sweep.lua")
-            )),
-            full_probe: LuaScript::new("#!lua\nreturn 1"),
-        }
-    }
-}
 
 pub(super) async fn accept(
     store: &RedisStore,

@@ -335,7 +335,7 @@ pub(super) enum Sent<'s> {
     Read,
     /// Calls of one script: loaded where a server lacks it, acknowledged by replicas when
     /// `store.min_replicas_acked` asks for it ([`RedisStore::eval`]).
-    Script(&'s super::commands::LuaScript),
+    Script(&'s super::scripts::LuaScript),
 }
 
 impl RedisStore {

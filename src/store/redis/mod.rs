@@ -41,6 +41,7 @@ mod keys;
 mod partitions;
 mod reads;
 mod replaceable;
+mod scripts;
 mod upgrade;
 
 use std::collections::HashMap;
@@ -59,9 +60,9 @@ use super::{
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
 use claim::Hints;
-use commands::{LuaScript, Scripts};
 use connection::{Connection, Primary, Request, is_refusal};
 use keys::KeySpace;
+use scripts::{LuaScript, Scripts};
 
 pub use keys::{DEFAULT_KEY_PREFIX, SCHEMA_VERSION, key_prefix_problem};
 
