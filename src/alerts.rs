@@ -19,23 +19,20 @@
 //! digest (the deaths stay in the dead-letter list); a process that stops sends it first.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::clock::{Millis, format_iso};
-use crate::config::ConfigError;
+use crate::config::AlertSettings;
 use crate::digest::short_hash;
-use crate::dispatch::ssrf::{SsrfGuard, is_forbidden};
+use crate::dispatch::ssrf::SsrfGuard;
 use crate::redact::display_url;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
     Partitions,
 };
 use crate::trace::{TRACEPARENT, TRACESTATE};
-use crate::webhook::decode_whsec;
 
 /// The event type of a dead-letter alert (its `type` and `X-Callback-Event`).
 pub const DEAD_EVENT: &str = "message.dead";
@@ -43,103 +40,9 @@ pub const DEAD_EVENT: &str = "message.dead";
 pub const DIGEST_EVENT: &str = "message.dead.digest";
 /// Message ids a digest lists; its counts cover every death.
 pub const DIGEST_SAMPLE: usize = 20;
-/// Longest `alerts.digest_interval_secs`: a day.
-const MAX_DIGEST_INTERVAL_SECS: u64 = 86_400;
-/// Largest `alerts.max_alerts_per_interval`.
-const MAX_ALERTS_PER_INTERVAL: u32 = 10_000;
 /// Ordering keys of alert messages start with this: each alert is its own key, so one slow
 /// alert receiver never holds another alert back, and a dead alert is known as one.
 const ORDERING_PREFIX: &str = "alert/";
-
-/// `[alerts]` in the config file.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AlertsConfig {
-    /// Where `message.dead` events are posted.
-    pub webhook_url: String,
-    /// `whsec_<base64>`: the Standard Webhooks signing secret the receiver verifies with.
-    pub secret: String,
-    /// Base URL operators open the console at, for the link in each alert
-    /// (default: `http://<server.listen>`).
-    #[serde(default)]
-    pub console_url: Option<String>,
-    /// Lets `webhook_url` reach loopback, private and other internal addresses (an alert
-    /// receiver inside the network) without opening `dispatch.allow_private_networks` for
-    /// every connector's `callbackUrl`. Off, such a URL is refused at start-up when it is a
-    /// literal address, and at every delivery on the addresses its name resolves to.
-    #[serde(default)]
-    pub allow_private_webhook_url: bool,
-    /// The window deaths are counted in: at most `max_alerts_per_interval` alerts per window,
-    /// then one digest of the rest when it ends.
-    #[serde(default = "default_digest_interval_secs")]
-    pub digest_interval_secs: u64,
-    /// Deaths announced one by one per window (0: every death goes into the digest).
-    #[serde(default = "default_max_alerts_per_interval")]
-    pub max_alerts_per_interval: u32,
-}
-
-fn default_digest_interval_secs() -> u64 {
-    60
-}
-
-fn default_max_alerts_per_interval() -> u32 {
-    10
-}
-
-impl AlertsConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |key: &str, message: String| ConfigError::Invalid {
-            key: format!("alerts.{key}"),
-            message,
-        };
-        let url = reqwest::Url::parse(&self.webhook_url)
-            .map_err(|e| invalid("webhook_url", format!("not a URL: {e}")))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(invalid("webhook_url", "must be http or https".into()));
-        }
-        // A literal internal address would be refused at every delivery, and the operator
-        // never alerted: say so now.
-        let literal = url
-            .host_str()
-            .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
-            .and_then(|h| h.parse::<std::net::IpAddr>().ok());
-        if !self.allow_private_webhook_url && literal.is_some_and(is_forbidden) {
-            return Err(invalid(
-                "webhook_url",
-                "is a loopback, private or reserved address, which the SSRF guard refuses; set \
-                 alerts.allow_private_webhook_url = true if the alert receiver is internal"
-                    .into(),
-            ));
-        }
-        if !self.secret.starts_with("whsec_") {
-            return Err(invalid(
-                "secret",
-                "must be a Standard Webhooks secret, `whsec_<base64>`".into(),
-            ));
-        }
-        let key = decode_whsec(&self.secret).map_err(|m| invalid("secret", m))?;
-        if key.len() < 16 {
-            return Err(invalid("secret", "must hold at least 16 bytes".into()));
-        }
-        if !(1..=MAX_DIGEST_INTERVAL_SECS).contains(&self.digest_interval_secs) {
-            return Err(invalid(
-                "digest_interval_secs",
-                format!("must be 1 to {MAX_DIGEST_INTERVAL_SECS} seconds"),
-            ));
-        }
-        if self.max_alerts_per_interval > MAX_ALERTS_PER_INTERVAL {
-            return Err(invalid(
-                "max_alerts_per_interval",
-                format!("must be at most {MAX_ALERTS_PER_INTERVAL}"),
-            ));
-        }
-        if let Some(base) = &self.console_url {
-            reqwest::Url::parse(base)
-                .map_err(|e| invalid("console_url", format!("not a URL: {e}")))?;
-        }
-        Ok(())
-    }
-}
 
 /// Whether a message is a dead-letter alert.
 pub fn is_alert(message: &NewMessage) -> bool {
@@ -190,31 +93,20 @@ impl std::fmt::Debug for Alerts {
 }
 
 impl Alerts {
-    /// The alert target of a validated `[alerts]` section; the console link defaults to the
-    /// server's `listen` address.
-    pub fn new(
-        config: &AlertsConfig,
-        listen: SocketAddr,
-        max_age: Duration,
-        dedupe_ttl: Duration,
-    ) -> Result<Alerts, String> {
-        Ok(Alerts {
-            url: config.webhook_url.clone(),
-            secret: decode_whsec(&config.secret)?,
-            console_base: config
-                .console_url
-                .clone()
-                .unwrap_or_else(|| format!("http://{listen}"))
-                .trim_end_matches('/')
-                .to_string(),
+    /// The alert target of a checked `[alerts]` section.
+    pub fn new(settings: &AlertSettings, max_age: Duration, dedupe_ttl: Duration) -> Alerts {
+        Alerts {
+            url: settings.webhook_url.clone(),
+            secret: settings.secret.clone(),
+            console_base: settings.console_base.clone(),
             ssrf: SsrfGuard {
-                allow_private: config.allow_private_webhook_url,
+                allow_private: settings.allow_private,
             },
             max_age,
             dedupe_ttl,
-            digest_interval: Duration::from_secs(config.digest_interval_secs),
-            max_per_interval: config.max_alerts_per_interval,
-        })
+            digest_interval: settings.digest_interval,
+            max_per_interval: settings.max_per_interval,
+        }
     }
 
     /// A fresh count of deaths for one process, by this target's window and cap.
@@ -363,7 +255,7 @@ impl Alerts {
             headers,
             body,
             created_at: now,
-            deadline: crate::config::deadline(now, self.max_age),
+            deadline: crate::clock::deadline(now, self.max_age),
         };
         AcceptRequest {
             dedupe: DedupeClaim {

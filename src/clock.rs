@@ -3,7 +3,7 @@
 //! in milliseconds.
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the Unix epoch: every instant the store and the scheduler are given.
 pub type Millis = i64;
@@ -95,6 +95,17 @@ pub fn parse_rfc3339(s: &str) -> Option<Millis> {
     let at = time::OffsetDateTime::parse(s.trim(), &time::format_description::well_known::Rfc3339)
         .ok()?;
     Millis::try_from(at.unix_timestamp_nanos() / 1_000_000).ok()
+}
+
+/// `now + span`, saturating: the one place a setting's `Duration` becomes a point in time (a
+/// delivery window's deadline, a signature seal's expiry).
+pub fn deadline(now: Millis, span: Duration) -> Millis {
+    now.saturating_add(Millis::try_from(span.as_millis()).unwrap_or(Millis::MAX))
+}
+
+/// `d` in whole milliseconds, the unit the store's leases and the retry schedule count in.
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

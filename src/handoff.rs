@@ -15,8 +15,8 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
+use crate::clock::deadline;
 use crate::clock::{Millis, format_iso};
-use crate::config::deadline;
 use crate::digest::short_hash;
 use crate::payment::{self, PaymentStatus};
 use crate::store::{

@@ -8,8 +8,8 @@ mod support;
 use std::sync::Arc;
 
 use axum::http::HeaderMap;
-use callbackd::alerts::AlertsConfig;
 use callbackd::clock::Clock;
+use callbackd::config::AlertsConfig;
 use callbackd::dispatch::Dispatcher;
 use callbackd::trace::TraceParent;
 use callbackd::webhook::Verifier;

@@ -8,6 +8,7 @@
 //! - `sources.rs`: `[sources.<name>]` and the signature schemes;
 //! - `settings.rs`: typed settings per component, derived once when the app is built.
 
+mod alerts;
 mod load;
 mod settings;
 mod sources;
@@ -22,9 +23,11 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
+pub use alerts::AlertsConfig;
+pub use settings::AlertSettings;
 pub use settings::{
     DispatchSettings, ForwardSettings, ServerSettings, Settings, SourceSettings, Sources,
-    StoreSettings, deadline, millis,
+    StoreSettings,
 };
 pub use sources::{SignatureScheme, SourceConfig};
 
@@ -71,7 +74,7 @@ pub struct Config {
     pub log: LogConfig,
     pub sources: BTreeMap<String, SourceConfig>,
     /// Dead-letter alerts (`[alerts]`); none when absent.
-    pub alerts: Option<crate::alerts::AlertsConfig>,
+    pub alerts: Option<AlertsConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

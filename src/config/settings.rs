@@ -11,9 +11,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{AuthConfig, Config, ConfigError, StoreLocation, invalid};
-use crate::alerts::Alerts;
-use crate::clock::Millis;
+use super::{AlertsConfig, AuthConfig, Config, ConfigError, StoreLocation, invalid};
+use crate::clock::{Millis, deadline, millis};
 use crate::dispatch::schedule::Backoff;
 use crate::dispatch::ssrf::SsrfGuard;
 use crate::inbound::dedupe::DEFAULT_FIELDS;
@@ -32,7 +31,7 @@ pub struct Settings {
     /// The configured sources by name, shared by the handlers and the dispatcher.
     pub sources: Sources,
     /// Where dead letters are announced (`[alerts]`), if anywhere.
-    pub alerts: Option<Alerts>,
+    pub alerts: Option<AlertSettings>,
 }
 
 pub type Sources = Arc<HashMap<String, SourceSettings>>;
@@ -77,6 +76,47 @@ pub struct StoreSettings {
     pub healthz_fails_after: Option<Duration>,
 }
 
+/// `[alerts]`, checked: the secret decoded, the console link resolved (by default the
+/// server's `listen` address).
+#[derive(Clone)]
+pub struct AlertSettings {
+    pub webhook_url: String,
+    pub secret: Vec<u8>,
+    pub console_base: String,
+    /// `alerts.allow_private_webhook_url`.
+    pub allow_private: bool,
+    pub digest_interval: Duration,
+    pub max_per_interval: u32,
+}
+
+impl AlertSettings {
+    fn new(config: &AlertsConfig, listen: SocketAddr) -> Result<AlertSettings, ConfigError> {
+        Ok(AlertSettings {
+            webhook_url: config.webhook_url.clone(),
+            secret: decode_whsec(&config.secret).map_err(|m| invalid("alerts.secret", m))?,
+            console_base: config
+                .console_url
+                .clone()
+                .unwrap_or_else(|| format!("http://{listen}"))
+                .trim_end_matches('/')
+                .to_string(),
+            allow_private: config.allow_private_webhook_url,
+            digest_interval: Duration::from_secs(config.digest_interval_secs),
+            max_per_interval: config.max_alerts_per_interval,
+        })
+    }
+}
+
+impl std::fmt::Debug for AlertSettings {
+    /// The signing key never reaches a log line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlertSettings")
+            .field("webhook_url", &self.webhook_url)
+            .field("console_base", &self.console_base)
+            .finish_non_exhaustive()
+    }
+}
+
 /// `[dispatch]`.
 #[derive(Debug, Clone)]
 pub struct DispatchSettings {
@@ -99,17 +139,6 @@ impl DispatchSettings {
     pub fn deadline(&self, now: Millis) -> Millis {
         deadline(now, self.max_age)
     }
-}
-
-/// `now + span`, saturating: the one place a setting's `Duration` becomes a point in time (a
-/// delivery window's deadline, a signature seal's expiry).
-pub fn deadline(now: Millis, span: Duration) -> Millis {
-    now.saturating_add(Millis::try_from(span.as_millis()).unwrap_or(Millis::MAX))
-}
-
-/// `d` in whole milliseconds, the unit the store's leases and the retry schedule count in.
-pub fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A configured provider account (`[sources.<name>]`), ready to verify and key its callbacks
@@ -198,10 +227,7 @@ impl Settings {
         let alerts = config
             .alerts
             .as_ref()
-            .map(|a| {
-                Alerts::new(a, server.listen, dispatch.max_age, store.dedupe_ttl)
-                    .map_err(|m| invalid("alerts.secret", m))
-            })
+            .map(|a| AlertSettings::new(a, server.listen))
             .transpose()?;
         Ok(Settings {
             server,

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::clock::Millis;
+use crate::clock::{Millis, deadline, millis};
 
 use super::*;
 

@@ -24,8 +24,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::alerts::{AlertBudget, Alerts, DeathReason, is_alert};
+use crate::clock::millis;
 use crate::clock::{Clock, format_delay, format_iso};
-use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources, millis};
+use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
 use crate::store::{DeliveryAttempt, Lease, MessageKind, Store};
@@ -97,6 +98,10 @@ impl Dispatcher {
                 .user_agent(concat!("callbackd/", env!("CARGO_PKG_VERSION")))
                 .build()
         };
+        let alerts = settings
+            .alerts
+            .as_ref()
+            .map(|a| Alerts::new(a, d.max_age, settings.store.dedupe_ttl));
         Ok(Dispatcher {
             store,
             clock,
@@ -110,13 +115,12 @@ impl Dispatcher {
             wake,
             stats: None,
             budget: Mutex::new(
-                settings
-                    .alerts
+                alerts
                     .as_ref()
                     .map(Alerts::budget)
                     .unwrap_or_else(|| AlertBudget::new(1, 0)),
             ),
-            alerts: settings.alerts.clone(),
+            alerts,
         })
     }
 

@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 
 use super::dedupe::{self, KeyError};
 use crate::clock::Millis;
-use crate::config::deadline;
+use crate::clock::deadline;
 use crate::digest::short_hash;
 use crate::store::{
     AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions, SignatureSeal,
