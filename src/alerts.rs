@@ -26,8 +26,8 @@ use serde_json::{Map, Value, json};
 use crate::clock::{Millis, format_iso};
 use crate::config::AlertSettings;
 use crate::digest::short_hash;
-use crate::dispatch::ssrf::SsrfGuard;
 use crate::redact::display_url;
+use crate::ssrf::SsrfGuard;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
     Partitions,

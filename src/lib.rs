@@ -27,6 +27,7 @@ pub mod inbound;
 pub mod metrics;
 pub mod payment;
 pub mod redact;
+pub mod ssrf;
 pub mod stats;
 pub mod store;
 pub mod trace;

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use super::ConfigError;
-use crate::dispatch::ssrf::is_forbidden;
+use crate::ssrf::is_forbidden;
 use crate::webhook::decode_whsec;
 
 /// Largest `alerts.max_alerts_per_interval`.

@@ -106,9 +106,7 @@ impl SourceConfig {
                 .host_str()
                 .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
                 .and_then(|h| h.parse::<std::net::IpAddr>().ok());
-            if !self.allow_private_forward_url
-                && literal.is_some_and(crate::dispatch::ssrf::is_forbidden)
-            {
+            if !self.allow_private_forward_url && literal.is_some_and(crate::ssrf::is_forbidden) {
                 return Err(invalid(
                     key("forward_url"),
                     format!(

@@ -9,7 +9,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 
 use super::schedule::{Backoff, Next, next_attempt};
-use super::ssrf::{REFUSED_ADDRESS, is_forbidden};
+use crate::ssrf::{REFUSED_ADDRESS, is_forbidden};
 use crate::store::{Completion, KEPT_BODY_BYTES, Lease, ReceiverAnswer};
 use crate::webhook::{ATTEMPT_HEADER, EVENT_HEADER, MESSAGE_ID_HEADER, standard_webhook_headers};
 

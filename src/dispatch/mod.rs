@@ -11,7 +11,6 @@
 pub mod delivery;
 mod hosts;
 pub mod schedule;
-pub mod ssrf;
 
 use crate::clock::Millis;
 use std::collections::HashMap;
@@ -94,7 +93,7 @@ impl Dispatcher {
                 .redirect(reqwest::redirect::Policy::none())
                 .pool_idle_timeout(Duration::from_secs(60))
                 .pool_max_idle_per_host(d.per_host_concurrency)
-                .dns_resolver(ssrf::SsrfGuard { allow_private }.resolver())
+                .dns_resolver(crate::ssrf::SsrfGuard { allow_private }.resolver())
                 .user_agent(concat!("callbackd/", env!("CARGO_PKG_VERSION")))
                 .build()
         };

@@ -23,10 +23,10 @@ use super::auth::{Role, require};
 use super::read_body;
 use super::record::{Recorded, Route, answer, record};
 use crate::app::App;
-use crate::dispatch::ssrf::SsrfError;
 use crate::handoff::{self, Notification, NotificationAccepted};
 use crate::http::error::{ApiError, ErrorBody, ErrorCode};
 use crate::payment::PaymentStatus;
+use crate::ssrf::SsrfError;
 use crate::webhook::{ATTEMPT_HEADER, MESSAGE_ID_HEADER};
 
 pub const MAX_ID_LEN: usize = 256;

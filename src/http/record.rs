@@ -10,7 +10,7 @@ use axum::response::Response;
 use super::raw_json;
 use crate::app::App;
 use crate::clock::Millis;
-use crate::http::error::ApiError;
+use crate::http::error::{ApiError, ErrorCode};
 use crate::metrics as m;
 use crate::store::{AcceptOutcome, AcceptRequest, StoreError};
 
@@ -73,12 +73,12 @@ pub fn answer(
     let outcome = result.as_ref().map(|r| r.replayed).map_err(ApiError::code);
     let (name, status) = match route {
         Route::Callbacks { source } => {
-            let outcome = m::callback_outcome(outcome);
+            let outcome = callback_outcome(outcome);
             metrics::counter!(m::CALLBACKS, "source" => source, "outcome" => outcome).increment(1);
             ("callbacks", StatusCode::OK)
         }
         Route::Notifications => {
-            let outcome = m::notification_outcome(outcome);
+            let outcome = notification_outcome(outcome);
             metrics::counter!(m::NOTIFICATIONS, "outcome" => outcome).increment(1);
             ("notifications", StatusCode::ACCEPTED)
         }
@@ -86,4 +86,69 @@ pub fn answer(
     metrics::histogram!(m::ACCEPT_SECONDS, "route" => name).record(started.elapsed().as_secs_f64());
     let recorded = result?;
     Ok(raw_json(status, recorded.body, recorded.replayed))
+}
+
+/// The `outcome` of a provider callback: `Ok(replayed)` or the error's code.
+fn callback_outcome(result: Result<bool, ErrorCode>) -> &'static str {
+    match result {
+        Ok(true) => "replayed",
+        Ok(false) => "accepted",
+        Err(ErrorCode::InvalidSignature) => "bad_signature",
+        Err(ErrorCode::PayloadTooLarge) => "too_large",
+        Err(ErrorCode::RequestTimeout) => "timeout",
+        Err(ErrorCode::StoreUnavailable | ErrorCode::StoreFull) => "unavailable",
+        Err(ErrorCode::ServerBusy) => "busy",
+        Err(ErrorCode::UnknownSource) => "unknown_source",
+        Err(ErrorCode::SignatureReused) => "signature_reused",
+        Err(_) => "bad_request",
+    }
+}
+
+/// The `outcome` of a connector hand-off: `Ok(replayed)` or the error's code.
+fn notification_outcome(result: Result<bool, ErrorCode>) -> &'static str {
+    match result {
+        Ok(true) => "replayed",
+        Ok(false) => "accepted",
+        Err(ErrorCode::InvalidTransition) => "invalid_transition",
+        Err(ErrorCode::IdempotencyKeyReused) => "key_conflict",
+        Err(ErrorCode::PayloadTooLarge) => "too_large",
+        Err(ErrorCode::RequestTimeout) => "timeout",
+        Err(ErrorCode::StoreUnavailable | ErrorCode::StoreFull) => "unavailable",
+        Err(ErrorCode::ServerBusy) => "busy",
+        Err(ErrorCode::Unauthorized | ErrorCode::Forbidden) => "unauthorized",
+        Err(_) => "bad_request",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn documented(name: &str) -> &'static [&'static str] {
+        m::CATALOGUE
+            .iter()
+            .find(|doc| doc.name == name)
+            .and_then(|doc| doc.values_of("outcome"))
+            .unwrap_or_else(|| panic!("{name} has no outcome values"))
+    }
+
+    /// Whatever an error's code, the outcome label it gets is documented, and a full store
+    /// counts as unavailable, not as a bad request.
+    #[test]
+    fn every_outcome_a_route_can_emit_is_in_the_catalogue() {
+        let results = [Ok(true), Ok(false)]
+            .into_iter()
+            .chain(ErrorCode::ALL.iter().map(|c| Err(*c)));
+        for result in results {
+            let label = callback_outcome(result);
+            assert!(documented(m::CALLBACKS).contains(&label), "{label}");
+            let label = notification_outcome(result);
+            assert!(documented(m::NOTIFICATIONS).contains(&label), "{label}");
+        }
+        assert_eq!(callback_outcome(Err(ErrorCode::StoreFull)), "unavailable");
+        assert_eq!(
+            notification_outcome(Err(ErrorCode::StoreFull)),
+            "unavailable"
+        );
+    }
 }
