@@ -278,3 +278,20 @@ async fn sigterm_hands_an_unfinished_lease_back() {
         "the abandoned attempt is not an attempt"
     );
 }
+
+/// A process counts as started once its `/readyz` answers 200, not once its port opens: the
+/// port is bound before the store is opened, so a process whose store is down (a restart in
+/// the chaos tests, say) must not be taken for a running one.
+#[test]
+fn a_process_whose_store_is_down_is_not_taken_as_started() {
+    let mut redis = RedisServer::start();
+    let began = std::time::Instant::now();
+    drop(Process::start(&redis.url(), ""));
+    // What a start takes on this machine now; ten of them is time enough to be ready.
+    let window = began.elapsed() * 10;
+    redis.stop(true);
+    match Process::try_start_with_env(&redis.url(), "", &[], window) {
+        Ok(_) => panic!("taken as started with its store down"),
+        Err(e) => eprintln!("not started, as it should: {e}"),
+    }
+}
