@@ -1,15 +1,20 @@
 //! Both engines held to the lifecycle model (ARCHITECTURE.md, "The store seam and the
-//! lifecycle"): random sequences of operations (accepts with repeated dedupe keys, seals and
-//! payment transitions on a few shared ordering keys; claims, completions of every kind with
-//! live and stale leases, releases, resends, sweeps; time jumping past leases, dedupe TTLs and
-//! retentions) go to `store::lifecycle::Model` and to the engine, and after every step both
-//! must agree: the step's answer, every message as `get` reads it, the depth, the oldest
-//! unfinished message and every payment's status.
+//! lifecycle"): random sequences of operations (connectors' hand-offs with repeated dedupe
+//! keys, seals and payment transitions, and providers' callbacks as `inbound::accept` makes
+//! them, with ids derived from their claim keys and, on Redis, compact integer claims, on a
+//! few shared ordering keys; claims with small and large limits, completions of every kind
+//! with live and stale leases, releases, resends, sweeps; time jumping past leases, dedupe
+//! TTLs and retentions, and onto the very millisecond a claim or seal ends) go to
+//! `store::lifecycle::Model` and to the engine, and after every step both must agree: the
+//! step's answer, every message as `get` reads it, the depth, the oldest unfinished message
+//! and every payment's status.
 //!
 //! The engines: SQLite, one Redis, and a Redis Cluster of 3 masters and 3 replicas.
 //!
 //! `PROPTEST_CASES` sets how many sequences each engine runs (64 by default). A failure
-//! reports the shortest sequence proptest found that still fails.
+//! reports the shortest sequence proptest found that still fails, and its seed is kept in
+//! `lifecycle_model.proptest-regressions` beside this file (commit it): every run replays the
+//! seeds kept there first, on every engine.
 
 #[path = "support/redis.rs"]
 #[allow(dead_code)]
@@ -19,6 +24,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use callbackd::clock::Millis;
+use callbackd::inbound::accept::{self as inbound, Callback};
+use callbackd::inbound::dedupe::DEFAULT_FIELDS;
 use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
 use callbackd::store::lifecycle::{self, Lifetimes, Model};
@@ -30,7 +37,7 @@ use callbackd::store::{
     MessageState, NewMessage, PaymentTransition, ResendMark, SignatureSeal, Store,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestRunner};
 use redis_support::RedisServer;
 use redis_support::cluster::RedisCluster;
 
@@ -46,6 +53,14 @@ const LIFETIMES: Lifetimes = Lifetimes {
 const LEASE_MS: u64 = 30_000;
 /// Payments, hence ordering keys, a sequence shares: few, so their queues grow.
 const PAYMENTS: usize = 3;
+/// Provider transactions (ordering keys `src/payzu/<id>`) a sequence shares.
+const TRANSACTIONS: usize = 2;
+/// A callback's dedupe key takes its status: the same one again is a replay, another is a new
+/// event of the transaction.
+const STATUSES: [&str; 3] = ["PAID", "COMPLETED", "REFUNDED"];
+/// Dedupe TTLs of callbacks: whole minutes make compact claims on Redis (one of an hour, one
+/// of the 30-day default), seconds keep the string form.
+const CALLBACK_TTLS: [u64; 4] = [60, 3_600, 90, RETENTION_SECS];
 const MAX_OPS: usize = 40;
 
 #[derive(Debug, Clone, Copy)]
@@ -82,9 +97,22 @@ impl Handoff {
     }
 }
 
+/// A provider's callback of transaction number `transaction` with status number `status`.
+#[derive(Debug, Clone)]
+struct ProviderCallback {
+    transaction: usize,
+    status: usize,
+    /// With a `forward_url` (`pending`) or without (`recorded`).
+    forward: bool,
+    ttl_secs: u64,
+    /// A verified signature (its number, and seconds it stays valid): sealed.
+    signature: Option<(u8, i64)>,
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Accept(Handoff),
+    Callback(ProviderCallback),
     Claim {
         limit: usize,
     },
@@ -106,6 +134,14 @@ enum Op {
     Advance {
         ms: Millis,
     },
+    /// Jumps to `offset` ms from the end of one of the dedupe claims or seals written so far
+    /// (by its number modulo how many there are), unless that is past, and repeats the accept
+    /// that wrote it there: a retry in its claim's (or seal's) last millisecond, or the first
+    /// one after it.
+    RepeatAtEnd {
+        end: usize,
+        offset: Millis,
+    },
 }
 
 /// Which lease a completion or release uses: one that still holds its message (when there
@@ -119,9 +155,10 @@ struct PickLease {
 
 #[derive(Debug, Clone)]
 struct Scenario {
-    /// Payments in different Redis partitions. With all in one, a claim with a small limit
-    /// takes the same messages on both engines; across partitions, Redis shares the limit
-    /// among them (its choice, not a lifecycle rule), so claims ask for all that is due.
+    /// Ordering keys in different Redis partitions. With all in one, a claim with a small
+    /// limit takes the same messages on both engines; across partitions, Redis shares the
+    /// limit among them, so which messages it takes is its choice (not a lifecycle rule), and
+    /// how many is compared.
     spread: bool,
     ops: Vec<Op>,
 }
@@ -148,12 +185,24 @@ fn advance() -> impl Strategy<Value = Millis> {
     ]
 }
 
-fn op(spread: bool) -> impl Strategy<Value = Op> {
-    let limit = if spread {
-        Just(100).boxed()
-    } else {
-        prop_oneof![1..=3usize, Just(100)].boxed()
-    };
+fn op() -> impl Strategy<Value = Op> {
+    let limit = prop_oneof![1..=3usize, Just(100)];
+    let callback = (
+        0..TRANSACTIONS,
+        0..STATUSES.len(),
+        prop::bool::weighted(0.7),
+        prop::sample::select(CALLBACK_TTLS.to_vec()),
+        prop::option::weighted(0.3, (0..2u8, 1..600 as Millis)),
+    )
+        .prop_map(|(transaction, status, forward, ttl_secs, signature)| {
+            Op::Callback(ProviderCallback {
+                transaction,
+                status,
+                forward,
+                ttl_secs,
+                signature,
+            })
+        });
     let transitions = PaymentStatus::ALL[1..].to_vec();
     let accept = (
         0..PAYMENTS,
@@ -177,40 +226,61 @@ fn op(spread: bool) -> impl Strategy<Value = Op> {
         );
     prop_oneof![
         3 => accept,
+        3 => callback,
         4 => limit.prop_map(|limit| Op::Claim { limit }),
         5 => (pick_lease(), outcome()).prop_map(|(lease, outcome)| Op::Complete { lease, outcome }),
         1 => (pick_lease(), 0..60_000u64).prop_map(|(lease, after_ms)| Op::Release { lease, after_ms }),
         3 => (0..1000usize).prop_map(|message| Op::Resend { message }),
         1 => Just(Op::Sweep),
         3 => advance().prop_map(|ms| Op::Advance { ms }),
+        2 => (0..1000usize, -1..=0 as Millis)
+            .prop_map(|(end, offset)| Op::RepeatAtEnd { end, offset }),
     ]
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
-    any::<bool>().prop_flat_map(|spread| {
-        prop::collection::vec(op(spread), 1..=MAX_OPS).prop_map(move |ops| Scenario { spread, ops })
-    })
+    (any::<bool>(), prop::collection::vec(op(), 1..=MAX_OPS))
+        .prop_map(|(spread, ops)| Scenario { spread, ops })
 }
 
-/// Payment ids whose ordering keys share one partition, or lie in different ones.
-fn payment_ids(spread: bool) -> Vec<String> {
-    let partition = |id: &String| partition_of(&payment::ordering_key(id), Partitions::DEFAULT);
-    let mut ids: Vec<String> = Vec::new();
-    for n in 0.. {
-        let id = format!("p{n}");
-        let fits = match ids.first() {
-            None => true,
-            Some(first) if !spread => partition(&id) == partition(first),
-            Some(_) => ids.iter().all(|other| partition(other) != partition(&id)),
-        };
-        if fits {
-            ids.push(id);
+/// The ordering keys of a sequence: payment ids and provider transaction ids whose ordering
+/// keys share one partition, or lie in different ones.
+fn ordering_keys(spread: bool) -> (Vec<String>, Vec<String>) {
+    let partition = |key: &String| partition_of(key, Partitions::DEFAULT);
+    let mut keys: Vec<String> = Vec::new();
+    let mut pick = |candidates: &mut dyn Iterator<Item = (String, String)>, n: usize| {
+        let mut ids = Vec::new();
+        for (id, key) in candidates {
+            let fits = match keys.first() {
+                None => true,
+                Some(first) if !spread => partition(&key) == partition(first),
+                Some(_) => keys.iter().all(|other| partition(other) != partition(&key)),
+            };
+            if fits {
+                keys.push(key);
+                ids.push(id);
+            }
+            if ids.len() == n {
+                return ids;
+            }
         }
-        if ids.len() == PAYMENTS {
-            return ids;
-        }
-    }
-    unreachable!("the search above only ends by returning")
+        unreachable!("the candidates never run out")
+    };
+    let payments = pick(
+        &mut (0..).map(|n| format!("p{n}")).map(|id| {
+            let key = payment::ordering_key(&id);
+            (id, key)
+        }),
+        PAYMENTS,
+    );
+    let transactions = pick(
+        &mut (0..).map(|n| format!("tx{n}")).map(|id| {
+            let key = inbound::ordering_key("payzu", &id);
+            (id, key)
+        }),
+        TRANSACTIONS,
+    );
+    (payments, transactions)
 }
 
 fn delivery(attempt: u32, at: Millis, status: u16) -> DeliveryAttempt {
@@ -247,8 +317,12 @@ struct Run<'a> {
     model: Model,
     now: Millis,
     payments: Vec<String>,
-    /// Claims of one call are compared in order (one partition) or as sets.
+    transactions: Vec<String>,
+    /// Claims of one call are compared in order (one partition), or by count and then as
+    /// sets.
     ordered_claims: bool,
+    /// Where every dedupe claim and seal written so far ends, and the accept that wrote it.
+    ends: Vec<(Millis, Op)>,
     /// Every id made so far, recorded or not.
     ids: Vec<MessageId>,
     /// Every lease handed out so far.
@@ -262,24 +336,36 @@ impl Run<'_> {
         let now = self.now;
         let err = |e: callbackd::store::StoreError| e.to_string();
         match op {
-            Op::Accept(handoff) => {
-                let req = self.request(handoff);
-                self.ids.push(req.message.id.clone());
-                let want = lifecycle::accept(&mut self.model, &req, now);
-                let got = self.store.accept(req, now).await.map_err(err)?;
-                same("accept", got, want)?;
+            Op::Accept(_) | Op::Callback(_) => self.accept(op).await?,
+            Op::Claim { limit } if self.ordered_claims => {
+                let want = lifecycle::claim(&mut self.model, now, *limit, LEASE_MS);
+                let got = self
+                    .store
+                    .claim_due(now, *limit, LEASE_MS)
+                    .await
+                    .map_err(err)?;
+                same("claim_due", &got, &want)?;
+                self.leases.extend(got);
             }
             Op::Claim { limit } => {
-                let mut want = lifecycle::claim(&mut self.model, now, *limit, LEASE_MS);
+                // Across partitions the engine chooses which due messages a small limit takes,
+                // never how many. A second claim at the same moment takes the rest, so that
+                // together they hold the leases the model hands out for everything due.
+                let mut want = lifecycle::claim(&mut self.model, now, MAX_OPS, LEASE_MS);
                 let mut got = self
                     .store
                     .claim_due(now, *limit, LEASE_MS)
                     .await
                     .map_err(err)?;
-                if !self.ordered_claims {
-                    want.sort_by(|a, b| a.message.id.cmp(&b.message.id));
-                    got.sort_by(|a, b| a.message.id.cmp(&b.message.id));
-                }
+                same("claim_due count", got.len(), want.len().min(*limit))?;
+                let rest = self
+                    .store
+                    .claim_due(now, MAX_OPS, LEASE_MS)
+                    .await
+                    .map_err(err)?;
+                got.extend(rest);
+                want.sort_by(|a, b| a.message.id.cmp(&b.message.id));
+                got.sort_by(|a, b| a.message.id.cmp(&b.message.id));
                 same("claim_due", &got, &want)?;
                 self.leases.extend(got);
             }
@@ -336,8 +422,83 @@ impl Run<'_> {
                 self.store.sweep(now).await.map_err(err)?;
             }
             Op::Advance { ms } => self.now += ms,
+            Op::RepeatAtEnd { end, offset } => {
+                if !self.ends.is_empty() {
+                    let (at, accept) = self.ends[end % self.ends.len()].clone();
+                    self.now = self.now.max(at + offset);
+                    self.accept(&accept).await?;
+                }
+            }
         }
         self.compare().await
+    }
+
+    /// Accepts a hand-off or a callback at the current time.
+    async fn accept(&mut self, op: &Op) -> Result<(), String> {
+        let now = self.now;
+        let req = match op {
+            Op::Accept(handoff) => self.request(handoff),
+            Op::Callback(callback) => self.callback(callback),
+            other => unreachable!("not an accept: {other:?}"),
+        };
+        self.ids.push(req.message.id.clone());
+        let claim_ends = now + req.dedupe.ttl_secs as Millis * 1_000;
+        self.ends.push((claim_ends, op.clone()));
+        if let Some(seal) = &req.seal {
+            self.ends.push((seal.expires_at, op.clone()));
+        }
+        let want = lifecycle::accept(&mut self.model, &req, now);
+        let got = self
+            .store
+            .accept(req, now)
+            .await
+            .map_err(|e| e.to_string())?;
+        same("accept", got, want)
+    }
+
+    /// The accept request of a provider callback, made by the code that makes it for
+    /// `POST /v1/callbacks/payzu`.
+    fn callback(&self, callback: &ProviderCallback) -> AcceptRequest {
+        let ProviderCallback {
+            transaction,
+            status,
+            forward,
+            ttl_secs,
+            signature,
+        } = *callback;
+        let now = self.now;
+        let fields: Vec<String> = DEFAULT_FIELDS.iter().map(|f| f.to_string()).collect();
+        let settings = inbound::Settings {
+            name: "payzu",
+            dedupe_fields: &fields,
+            forward_url: forward.then_some("http://127.0.0.1:9/payzu"),
+            window: Duration::from_secs(7 * 86_400),
+            dedupe_ttl: Duration::from_secs(ttl_secs),
+            partitions: Partitions::DEFAULT,
+        };
+        let json = serde_json::json!({
+            "id": self.transactions[transaction],
+            "status": STATUSES[status],
+            "at": now,
+        });
+        let body = json.to_string();
+        let verified = signature.map(|(n, secs)| callbackd::webhook::Verified {
+            // An HMAC of the body: one signature never signs two transactions.
+            signature: vec![transaction as u8, n],
+            valid_until_secs: Some(now / 1_000 + secs),
+        });
+        inbound::accept_request(
+            &settings,
+            Callback {
+                body: body.as_bytes(),
+                json: &json,
+                event: None,
+                verified,
+                headers: BTreeMap::new(),
+            },
+            now,
+        )
+        .expect("a callback with an id and a status")
     }
 
     fn pick_lease(&self, pick: &PickLease) -> Option<Lease> {
@@ -456,12 +617,15 @@ impl Run<'_> {
 }
 
 async fn check(store: &dyn Store, scenario: &Scenario) -> Result<(), String> {
+    let (payments, transactions) = ordering_keys(scenario.spread);
     let mut run = Run {
         store,
         model: Model::new(LIFETIMES),
         now: T0,
-        payments: payment_ids(scenario.spread),
+        payments,
+        transactions,
         ordered_claims: !scenario.spread,
+        ends: Vec::new(),
         ids: Vec::new(),
         leases: Vec::new(),
     };
@@ -630,7 +794,10 @@ fn agrees_with_the_model(engine: Engine) {
         .unwrap_or(64);
     let config = Config {
         cases,
-        failure_persistence: None,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/lifecycle_model.proptest-regressions"
+        )))),
         max_shrink_iters: 512,
         ..Config::default()
     };

@@ -299,6 +299,7 @@ async fn cluster_behind_proxies() -> (Vec<RedisServer>, Vec<FaultProxy>) {
                     "nodes.conf",
                 ],
                 false,
+                None,
             )
             .expect("a cluster node starts")
         })

@@ -287,7 +287,7 @@ async fn a_process_started_before_its_redis_waits_for_it() {
     let port = support::redis::free_port();
     let url = format!("redis://127.0.0.1:{port}/0");
     let sink = Sink::ok().await;
-    let mut waiting = Process::start(&url, "");
+    let mut waiting = Process::start_alive(&url, "");
     let client = support::client();
     let base = &waiting.url;
 
@@ -317,7 +317,7 @@ async fn a_process_started_before_its_redis_waits_for_it() {
         "callbackd exited while its store was not up"
     );
 
-    let _redis = RedisServer::try_start_on(port, "always", &[], false).expect("redis starts");
+    let _redis = RedisServer::try_start_on(port, "always", &[], false, None).expect("redis starts");
     eventually(30, "ready once Redis is up", || async {
         let ready = client.get(format!("{base}/readyz")).send().await.ok()?;
         (ready.status() == 200).then_some(())
@@ -330,7 +330,7 @@ async fn a_process_started_before_its_redis_waits_for_it() {
     .await;
     waiting.stop(Duration::from_secs(10));
 
-    let mut stopped = Process::start(
+    let mut stopped = Process::start_alive(
         &format!("redis://127.0.0.1:{}/0", support::redis::free_port()),
         "",
     );
@@ -340,4 +340,21 @@ async fn a_process_started_before_its_redis_waits_for_it() {
         stopped.exit_status(10).await.success(),
         "a SIGTERM while waiting for the store is a clean stop"
     );
+}
+
+/// A process counts as started once its `/readyz` answers 200, not once its port opens: the
+/// port is bound before the store is opened, so a process whose store is down (a restart in
+/// the chaos tests, say) must not be taken for a running one.
+#[test]
+fn a_process_whose_store_is_down_is_not_taken_as_started() {
+    let mut redis = RedisServer::start();
+    let began = std::time::Instant::now();
+    drop(Process::start(&redis.url(), ""));
+    // What a start takes on this machine now; ten of them is time enough to be ready.
+    let window = began.elapsed() * 10;
+    redis.stop(true);
+    match Process::try_start_with_env(&redis.url(), "", &[], window) {
+        Ok(_) => panic!("taken as started with its store down"),
+        Err(e) => eprintln!("not started, as it should: {e}"),
+    }
 }

@@ -90,7 +90,7 @@ async fn without_config_command_a_durable_config_refuses_to_start() {
     let redis = RedisServer::start_with_args("always", &["--rename-command", "CONFIG", ""]);
     assert!(
         redis
-            .cli(&["config", "get", "appendonly"])
+            .cli_error(&["config", "get", "appendonly"])
             .contains("unknown command")
     );
     let why = refusal(&redis, true).await.expect("cannot tell is refused");

@@ -16,7 +16,7 @@ use callbackd::store::redis::{ClientIdentity, RedisOptions, RedisStore, RedisTls
 use callbackd::store::{AcceptOutcome, AcceptRequest, Store, StoreError};
 use support::process::Process;
 use support::redis::cluster::{RedisCluster, cluster_port};
-use support::redis::{RedisServer, free_port};
+use support::redis::{AclUser, RedisServer, free_port};
 
 const NOW: Millis = 1_700_000_000_000;
 
@@ -276,9 +276,13 @@ async fn a_tls_cluster_with_an_acl_user_is_reached_on_every_node() {
         "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
     );
     let password = "pw-Secret-4711";
+    let user = AclUser {
+        name: "callbackd".into(),
+        password: password.into(),
+    };
     let pem = |name: &str| pki.path(name).to_str().expect("utf-8 path").to_string();
-    let cluster = RedisCluster::start_with(|| {
-        let tls = [
+    let cluster = RedisCluster::start_as(&user, || {
+        [
             "--tls-port".to_string(),
             cluster_port().to_string(),
             "--tls-cluster".into(),
@@ -293,20 +297,22 @@ async fn a_tls_cluster_with_an_acl_user_is_reached_on_every_node() {
             pem("ca.crt"),
             "--tls-auth-clients".into(),
             "no".into(),
-        ];
-        let user = [
-            "callbackd",
-            "on",
-            &format!(">{password}"),
-            "~*",
-            "&*",
-            "+@all",
-        ];
-        tls.into_iter()
-            .chain(std::iter::once("--user".to_string()))
-            .chain(user.iter().map(|a| a.to_string()))
-            .collect()
+        ]
+        .to_vec()
     });
+    // Every node refuses a client that does not log in, so the password must reach each one
+    // the cluster client finds, not only the node the URL names.
+    for node in cluster.nodes() {
+        let anonymous = Command::new("redis-cli")
+            .args(["-e", "-p", &node.port.to_string(), "PING"])
+            .output()
+            .expect("redis-cli on PATH");
+        assert!(
+            !anonymous.status.success(),
+            "node {} answers without a password",
+            node.port
+        );
+    }
     let tls_port = cluster.nodes()[0].cli(&["CONFIG", "GET", "tls-port"]);
     let tls_port = tls_port.lines().last().expect("CONFIG GET tls-port").trim();
     let url = format!("rediss://callbackd:{password}@127.0.0.1:{tls_port}/0");

@@ -114,7 +114,7 @@ allow_private_forward_url = true
             Err(StartError::Exited(status)) => {
                 return Err(format!("callbackd exited ({status}): {}", tail()));
             }
-            Err(StartError::NotListening(_)) => {
+            Err(StartError::NotReady(_)) => {
                 return Err(format!("callbackd not ready after 20 s: {}", tail()));
             }
         };

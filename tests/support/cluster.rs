@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::RedisServer;
+use super::{AclUser, RedisServer};
 
 /// The cluster bus listens on port + 10000.
 const BUS_OFFSET: u16 = 10_000;
@@ -27,14 +27,22 @@ impl RedisCluster {
     /// [`RedisCluster::start`] with settings of its own for each node (e.g. TLS on a port of
     /// its own, from [`cluster_port`]).
     pub fn start_with(node_args: impl Fn() -> Vec<String>) -> RedisCluster {
-        Self::try_start(false, node_args).unwrap_or_else(|e| panic!("{e}"))
+        Self::try_start(false, None, node_args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`RedisCluster::start_with`] on nodes where only `user` may log in
+    /// ([`AclUser::server_args`]): a client reaching any node without its password is
+    /// refused.
+    pub fn start_as(user: &AclUser, node_args: impl Fn() -> Vec<String>) -> RedisCluster {
+        Self::try_start(false, Some(user), node_args).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// The cluster of this test binary, started by the first test that asks. Never dropped:
     /// its servers are watched, and go once the test process is gone.
     pub fn shared() -> &'static RedisCluster {
         static SHARED: OnceLock<RedisCluster> = OnceLock::new();
-        SHARED.get_or_init(|| Self::try_start(true, Vec::new).unwrap_or_else(|e| panic!("{e}")))
+        SHARED
+            .get_or_init(|| Self::try_start(true, None, Vec::new).unwrap_or_else(|e| panic!("{e}")))
     }
 
     /// A key prefix no other test of this process uses.
@@ -72,6 +80,7 @@ impl RedisCluster {
 
     fn try_start(
         watched: bool,
+        user: Option<&AclUser>,
         node_args: impl Fn() -> Vec<String>,
     ) -> Result<RedisCluster, String> {
         let mut nodes = Vec::new();
@@ -93,13 +102,22 @@ impl RedisCluster {
             ];
             let own = node_args();
             args.extend(own.iter().map(String::as_str));
-            nodes.push(RedisServer::try_start_on(port, "always", &args, watched)?);
+            let acl = user.map(AclUser::server_args).unwrap_or_default();
+            args.extend(acl.iter().map(String::as_str));
+            nodes.push(RedisServer::try_start_on(
+                port,
+                "always",
+                &args,
+                watched,
+                user.cloned(),
+            )?);
         }
         let addresses: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let mut create = Command::new("redis-cli")
+            .args(user.into_iter().flat_map(AclUser::cli_args))
             .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-replicas", "1", "--cluster-yes"])

@@ -1,6 +1,8 @@
 //! Real `callbackd serve` processes for crash, scale-out and shutdown tests.
 
 use std::fmt;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
@@ -44,12 +46,12 @@ pub async fn serve_until_refused(store_toml: &str) -> (ExitStatus, String) {
     )
 }
 
-/// Why [`Process::spawn`] has no listening process to give back.
+/// Why [`Process::spawn`] has no ready process to give back.
 #[derive(Debug)]
 pub enum StartError {
     Spawn(std::io::Error),
     Exited(ExitStatus),
-    NotListening(Duration),
+    NotReady(Duration),
 }
 
 impl fmt::Display for StartError {
@@ -57,7 +59,7 @@ impl fmt::Display for StartError {
         match self {
             StartError::Spawn(e) => write!(f, "cannot spawn: {e}"),
             StartError::Exited(status) => write!(f, "exited ({status})"),
-            StartError::NotListening(after) => write!(f, "not listening after {after:?}"),
+            StartError::NotReady(after) => write!(f, "not answering 200 after {after:?}"),
         }
     }
 }
@@ -72,6 +74,35 @@ impl Process {
     /// Like [`Process::start`], with `CALLBACKD__...` overrides of the template's keys, e.g.
     /// `("CALLBACKD__DISPATCH__LEASE_SECS", "600")`.
     pub fn start_with_env(store_url: &str, extra: &str, env: &[(&str, &str)]) -> Process {
+        Process::try_start_with_env(store_url, extra, env, Duration::from_secs(15))
+            .unwrap_or_else(|e| panic!("callbackd did not start: {e}"))
+    }
+
+    /// [`Process::start_with_env`], waiting at most `timeout` for it to be ready, and saying
+    /// why it is not rather than panicking.
+    pub fn try_start_with_env(
+        store_url: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Result<Process, StartError> {
+        Process::launch(store_url, extra, env, timeout, "/readyz")
+    }
+
+    /// Like [`Process::start`], but started once it is alive (`/healthz` 200), ready or not:
+    /// for a process whose store is not up yet.
+    pub fn start_alive(store_url: &str, extra: &str) -> Process {
+        Process::launch(store_url, extra, &[], Duration::from_secs(15), "/healthz")
+            .unwrap_or_else(|e| panic!("callbackd did not start: {e}"))
+    }
+
+    fn launch(
+        store_url: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+        timeout: Duration,
+        probe: &'static str,
+    ) -> Result<Process, StartError> {
         let config = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(
             config.path(),
@@ -108,17 +139,26 @@ shutdown_grace_secs = 10
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        let mut process = Process::spawn(cmd, port, Duration::from_secs(15))
-            .unwrap_or_else(|e| panic!("callbackd did not start: {e}"));
+        let mut process = Process::spawn_until(cmd, port, timeout, probe)?;
         process._config = Some(config);
-        process
+        Ok(process)
     }
 
     /// Spawns `cmd`, a `callbackd serve` the caller configured to listen on 127.0.0.1:`port`,
-    /// and waits at most `timeout` for that port to take connections. For callers that need
-    /// their own config file, environment or log (the load bench); tests use
-    /// [`Process::start`].
-    pub fn spawn(mut cmd: Command, port: u16, timeout: Duration) -> Result<Process, StartError> {
+    /// and waits at most `timeout` for its `GET /readyz` to answer 200; a process that exits
+    /// meanwhile is an error at once. For callers that need their own config file,
+    /// environment or log (the load bench); tests use [`Process::start`].
+    pub fn spawn(cmd: Command, port: u16, timeout: Duration) -> Result<Process, StartError> {
+        Process::spawn_until(cmd, port, timeout, "/readyz")
+    }
+
+    /// [`Process::spawn`], until `GET probe` answers 200.
+    fn spawn_until(
+        mut cmd: Command,
+        port: u16,
+        timeout: Duration,
+        probe: &'static str,
+    ) -> Result<Process, StartError> {
         let child = cmd.spawn().map_err(StartError::Spawn)?;
         // Built before the wait, so a process that never listens is killed on the way out.
         let mut process = Process {
@@ -127,12 +167,14 @@ shutdown_grace_secs = 10
             _config: None,
         };
         let deadline = std::time::Instant::now() + timeout;
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        // An open port is not a ready process: the port is bound before the store is opened,
+        // and a process whose store refuses it exits after taking connections.
+        while !answers_200(port, probe) {
             if let Ok(Some(status)) = process.child.try_wait() {
                 return Err(StartError::Exited(status));
             }
             if std::time::Instant::now() >= deadline {
-                return Err(StartError::NotListening(timeout));
+                return Err(StartError::NotReady(timeout));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -187,6 +229,25 @@ shutdown_grace_secs = 10
             .unwrap();
         assert!(status.success());
     }
+}
+
+/// Whether `GET path` on 127.0.0.1:`port` answers 200. Plain HTTP/1.1 on a socket, since the
+/// wait blocks its thread (the load bench runs it on the blocking pool). The read gives up
+/// after a second so the caller can look at the process again, and a process that exits
+/// closes the connection at once.
+fn answers_200(port: u16, path: &str) -> bool {
+    let address = SocketAddr::from(([127, 0, 0, 1], port));
+    let Ok(mut stream) = TcpStream::connect_timeout(&address, Duration::from_secs(1)) else {
+        return false;
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    let mut status_line = [0u8; 12];
+    stream
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .is_ok()
+        && stream.write_all(request.as_bytes()).is_ok()
+        && stream.read_exact(&mut status_line).is_ok()
+        && &status_line == b"HTTP/1.1 200"
 }
 
 impl Drop for Process {

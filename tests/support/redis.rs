@@ -20,6 +20,54 @@ pub struct RedisServer {
     watched: bool,
     /// The `redis-server` process (under the watchdog's shell when watched).
     server_pid: u32,
+    /// The ACL user the test's own redis-cli calls log in as, on a server whose `default`
+    /// user is off.
+    user: Option<AclUser>,
+}
+
+/// An ACL user and its password.
+#[derive(Clone)]
+pub struct AclUser {
+    pub name: String,
+    pub password: String,
+}
+
+impl AclUser {
+    /// redis-cli's arguments to log in as this user.
+    pub fn cli_args(&self) -> [&str; 5] {
+        [
+            "--user",
+            &self.name,
+            "--pass",
+            &self.password,
+            "--no-auth-warning",
+        ]
+    }
+
+    /// redis-server's arguments that create this user, allowed everything, turn the
+    /// passwordless `default` user off (a client that does not log in is refused), and have
+    /// a replica log in to its master as this user.
+    pub fn server_args(&self) -> Vec<String> {
+        let password = format!(">{}", self.password);
+        [
+            "--user",
+            "default",
+            "off",
+            "--user",
+            &self.name,
+            "on",
+            &password,
+            "~*",
+            "&*",
+            "+@all",
+            "--masteruser",
+            &self.name,
+            "--masterauth",
+            &self.password,
+        ]
+        .map(str::to_string)
+        .to_vec()
+    }
 }
 
 impl RedisServer {
@@ -44,15 +92,18 @@ impl RedisServer {
         appendfsync: &'static str,
         extra_args: &[&str],
     ) -> Result<RedisServer, String> {
-        Self::try_start_on(free_port(), appendfsync, extra_args, false)
+        Self::try_start_on(free_port(), appendfsync, extra_args, false, None)
     }
 
-    /// Starts a server on `port`; `watched`: see [`RedisServer::watched`].
+    /// Starts a server on `port`; `watched`: see [`RedisServer::watched`]. With `user`, the
+    /// caller's `extra_args` create that user and turn `default` off, and this helper's own
+    /// redis-cli calls log in as it.
     pub fn try_start_on(
         port: u16,
         appendfsync: &'static str,
         extra_args: &[&str],
         watched: bool,
+        user: Option<AclUser>,
     ) -> Result<RedisServer, String> {
         let dir = tempfile::tempdir().map_err(|e| format!("temp dir for redis: {e}"))?;
         let mut server = RedisServer {
@@ -63,6 +114,7 @@ impl RedisServer {
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             watched,
             server_pid: 0,
+            user,
         };
         server.try_spawn()?;
         Ok(server)
@@ -131,7 +183,7 @@ impl RedisServer {
             })?;
         self.server_pid = child.id();
         self.child = Some(child);
-        wait_for_port(self.port, true)?;
+        wait_for_port(self.port, true, self.user.as_ref())?;
         if self.watched {
             self.server_pid = self
                 .cli(&["INFO", "server"])
@@ -152,12 +204,12 @@ impl RedisServer {
             } else if kill {
                 let _ = child.kill();
             } else {
-                let _ = Command::new("redis-cli")
-                    .args(["-p", &self.port.to_string(), "shutdown"])
+                let _ = redis_cli(self.port, self.user.as_ref())
+                    .arg("shutdown")
                     .output();
             }
             let _ = child.wait();
-            wait_for_port(self.port, false).unwrap_or_else(|e| panic!("{e}"));
+            wait_for_port(self.port, false, None).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 
@@ -203,11 +255,19 @@ impl RedisServer {
         let deadline = Instant::now() + Duration::from_secs(20);
         let script = format!("SET {probe} 1\nWAIT {n} 1000\nDEL {probe}\n");
         while Instant::now() < deadline {
-            let out = Command::new("sh")
-                .arg("-c")
-                .arg(format!("printf '{script}' | redis-cli -p {}", self.port))
-                .output()
-                .expect("sh and redis-cli on PATH");
+            let out = redis_cli(self.port, self.user.as_ref())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .and_then(|mut cli| {
+                    use std::io::Write;
+                    cli.stdin
+                        .take()
+                        .expect("a piped stdin")
+                        .write_all(script.as_bytes())?;
+                    cli.wait_with_output()
+                })
+                .expect("redis-cli on PATH");
             let replies = String::from_utf8_lossy(&out.stdout).to_string();
             if replies
                 .lines()
@@ -224,14 +284,43 @@ impl RedisServer {
         );
     }
 
-    /// Runs a redis-cli command against this server and returns its stdout.
+    /// Runs a redis-cli command against this server and returns its stdout. Panics when
+    /// redis-cli fails (cannot connect, or the server answers an error: `-e`), so a check
+    /// that something is absent cannot pass on the empty output of a failed command.
     pub fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
+        let out = redis_cli(self.port, self.user.as_ref())
+            .arg("-e")
             .args(args)
             .output()
             .expect("redis-cli on PATH");
+        assert!(
+            out.status.success(),
+            "redis-cli -p {} {} failed ({}): {}{}",
+            self.port,
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim(),
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
         String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Runs a redis-cli command the server must refuse, and returns its error. Panics when
+    /// the command succeeds.
+    pub fn cli_error(&self, args: &[&str]) -> String {
+        let out = redis_cli(self.port, self.user.as_ref())
+            .arg("-e")
+            .args(args)
+            .output()
+            .expect("redis-cli on PATH");
+        assert!(
+            !out.status.success(),
+            "redis-cli -p {} {} succeeded: {}",
+            self.port,
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
+        String::from_utf8_lossy(&out.stderr).trim().to_string()
     }
 }
 
@@ -248,16 +337,24 @@ pub fn free_port() -> u16 {
         .expect("a free local port")
 }
 
-fn wait_for_port(port: u16, up: bool) -> Result<(), String> {
+/// redis-cli for the server on `port`, logged in as `user` if any.
+fn redis_cli(port: u16, user: Option<&AclUser>) -> Command {
+    let mut cli = Command::new("redis-cli");
+    cli.args(["-p", &port.to_string()]);
+    if let Some(user) = user {
+        cli.args(user.cli_args());
+    }
+    cli
+}
+
+fn wait_for_port(port: u16, up: bool, user: Option<&AclUser>) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         let open = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
         if open == up {
             if up {
                 // Accepting connections is not yet loading the AOF: wait for PING.
-                let ping = Command::new("redis-cli")
-                    .args(["-p", &port.to_string(), "ping"])
-                    .output();
+                let ping = redis_cli(port, user).arg("ping").output();
                 if ping.map(|o| o.stdout.starts_with(b"PONG")).unwrap_or(false) {
                     return Ok(());
                 }
