@@ -288,39 +288,41 @@ impl RedisServer {
     /// redis-cli fails (cannot connect, or the server answers an error: `-e`), so a check
     /// that something is absent cannot pass on the empty output of a failed command.
     pub fn cli(&self, args: &[&str]) -> String {
-        let out = redis_cli(self.port, self.user.as_ref())
-            .arg("-e")
-            .args(args)
-            .output()
-            .expect("redis-cli on PATH");
-        assert!(
-            out.status.success(),
-            "redis-cli -p {} {} failed ({}): {}{}",
-            self.port,
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim(),
-            String::from_utf8_lossy(&out.stdout).trim()
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        self.try_cli(args).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Runs a redis-cli command the server must refuse, and returns its error. Panics when
     /// the command succeeds.
     pub fn cli_error(&self, args: &[&str]) -> String {
+        match self.try_cli(args) {
+            Ok(out) => panic!(
+                "redis-cli -p {} {} succeeded: {out}",
+                self.port,
+                args.join(" ")
+            ),
+            Err(e) => e,
+        }
+    }
+
+    /// Runs a redis-cli command: its stdout, or what failed (redis-cli's exit status and the
+    /// server's error).
+    pub fn try_cli(&self, args: &[&str]) -> Result<String, String> {
         let out = redis_cli(self.port, self.user.as_ref())
             .arg("-e")
             .args(args)
             .output()
             .expect("redis-cli on PATH");
-        assert!(
-            !out.status.success(),
-            "redis-cli -p {} {} succeeded: {}",
-            self.port,
-            args.join(" "),
-            String::from_utf8_lossy(&out.stdout).trim()
-        );
-        String::from_utf8_lossy(&out.stderr).trim().to_string()
+        if !out.status.success() {
+            return Err(format!(
+                "redis-cli -p {} {} failed ({}): {}{}",
+                self.port,
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stdout).trim(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     }
 }
 
