@@ -21,9 +21,10 @@ const HANG_GUARD: Duration = Duration::from_secs(60);
 async fn http2_connection_that_only_pings_is_closed_when_idle() {
     let redis = RedisServer::start();
     let mut cfg = config(&redis.url(), None);
-    // Idle limit = header + request timeout = 2 s.
-    cfg.server.header_timeout_secs = 1;
-    cfg.server.request_timeout_secs = 1;
+    // Idle limit = header + request timeout = 4 s. Not 1 s each: the one request must be
+    // answered within the request timeout, which a busy 2-core machine can miss.
+    cfg.server.header_timeout_secs = 2;
+    cfg.server.request_timeout_secs = 2;
     let server = TestServer::start(cfg).await;
     let addr = server.url.trim_start_matches("http://").to_string();
 
@@ -290,8 +291,10 @@ async fn buffered_request_bodies_share_one_budget() {
 async fn http1_keep_alive_connection_is_closed_when_idle_after_a_request() {
     let redis = RedisServer::start();
     let mut cfg = config(&redis.url(), None);
-    cfg.server.header_timeout_secs = 1;
-    cfg.server.request_timeout_secs = 1;
+    // 2 s each, not 1: the first request must be read and answered within them on a busy
+    // machine too.
+    cfg.server.header_timeout_secs = 2;
+    cfg.server.request_timeout_secs = 2;
     let server = TestServer::start(cfg).await;
     let addr = server.url.trim_start_matches("http://").to_string();
     let mut tcp = TcpStream::connect(&addr).await.unwrap();

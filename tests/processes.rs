@@ -287,7 +287,7 @@ async fn a_process_started_before_its_redis_waits_for_it() {
     let port = support::redis::free_port();
     let url = format!("redis://127.0.0.1:{port}/0");
     let sink = Sink::ok().await;
-    let mut waiting = Process::start_alive(&url, "");
+    let mut waiting = Process::start_alive_with_env(&url, "", &[]);
     let client = support::client();
     let base = &waiting.url;
 
@@ -330,9 +330,10 @@ async fn a_process_started_before_its_redis_waits_for_it() {
     .await;
     waiting.stop(Duration::from_secs(10));
 
-    let mut stopped = Process::start_alive(
+    let mut stopped = Process::start_alive_with_env(
         &format!("redis://127.0.0.1:{}/0", support::redis::free_port()),
         "",
+        &[],
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
     stopped.signal("TERM");

@@ -14,6 +14,17 @@ use super::{AclUser, RedisServer};
 /// The cluster bus listens on port + 10000.
 const BUS_OFFSET: u16 = 10_000;
 
+/// How long a node may go unanswered before the others fail it over, for clusters no test
+/// fails over on purpose: far above the tests' 2 s store timeouts and a busy 2-core machine's
+/// stalls, so a slow node makes a store call time out (a 503 the test sees), never a failover
+/// it did not ask for.
+const NODE_TIMEOUT_MS: u64 = 15_000;
+
+/// The node timeout of [`RedisCluster::start_for_failover`]: above callbackd's default 5 s
+/// store timeout, so a store call that is merely slow ends before its master is given up, and
+/// short enough for a failover test to see the replica take over within seconds.
+const FAILOVER_NODE_TIMEOUT_MS: u64 = 6_000;
+
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
 }
@@ -27,22 +38,31 @@ impl RedisCluster {
     /// [`RedisCluster::start`] with settings of its own for each node (e.g. TLS on a port of
     /// its own, from [`cluster_port`]).
     pub fn start_with(node_args: impl Fn() -> Vec<String>) -> RedisCluster {
-        Self::try_start(false, None, node_args).unwrap_or_else(|e| panic!("{e}"))
+        Self::try_start(false, None, NODE_TIMEOUT_MS, node_args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A cluster of its own whose masters a test kills: it fails a master over after
+    /// [`FAILOVER_NODE_TIMEOUT_MS`].
+    pub fn start_for_failover() -> RedisCluster {
+        Self::try_start(false, None, FAILOVER_NODE_TIMEOUT_MS, Vec::new)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// [`RedisCluster::start_with`] on nodes where only `user` may log in
     /// ([`AclUser::server_args`]): a client reaching any node without its password is
     /// refused.
     pub fn start_as(user: &AclUser, node_args: impl Fn() -> Vec<String>) -> RedisCluster {
-        Self::try_start(false, Some(user), node_args).unwrap_or_else(|e| panic!("{e}"))
+        Self::try_start(false, Some(user), NODE_TIMEOUT_MS, node_args)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// The cluster of this test binary, started by the first test that asks. Never dropped:
     /// its servers are watched, and go once the test process is gone.
     pub fn shared() -> &'static RedisCluster {
         static SHARED: OnceLock<RedisCluster> = OnceLock::new();
-        SHARED
-            .get_or_init(|| Self::try_start(true, None, Vec::new).unwrap_or_else(|e| panic!("{e}")))
+        SHARED.get_or_init(|| {
+            Self::try_start(true, None, NODE_TIMEOUT_MS, Vec::new).unwrap_or_else(|e| panic!("{e}"))
+        })
     }
 
     /// A key prefix no other test of this process uses.
@@ -81,8 +101,10 @@ impl RedisCluster {
     fn try_start(
         watched: bool,
         user: Option<&AclUser>,
+        node_timeout_ms: u64,
         node_args: impl Fn() -> Vec<String>,
     ) -> Result<RedisCluster, String> {
+        let node_timeout = node_timeout_ms.to_string();
         let mut nodes = Vec::new();
         for _ in 0..6 {
             let port = cluster_port();
@@ -96,7 +118,7 @@ impl RedisCluster {
                 "--cluster-config-file",
                 "nodes.conf",
                 "--cluster-node-timeout",
-                "2000",
+                &node_timeout,
                 "--repl-diskless-sync-delay",
                 "0",
             ];
@@ -223,6 +245,17 @@ impl RedisCluster {
             .iter()
             .find(|n| n.port == port)
             .expect("a node of this cluster")
+    }
+
+    /// The running replica of the master on `port`.
+    pub fn replica_of(&self, port: u16) -> &RedisServer {
+        self.running()
+            .find(|n| {
+                let role = n.cli(&["ROLE"]);
+                let mut lines = role.lines();
+                lines.next() == Some("slave") && lines.nth(1) == Some(&port.to_string())
+            })
+            .unwrap_or_else(|| panic!("no replica of the master on port {port}"))
     }
 
     /// SIGKILL to the node on `port`.

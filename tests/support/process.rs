@@ -46,6 +46,25 @@ pub async fn serve_until_refused(store_toml: &str) -> (ExitStatus, String) {
     )
 }
 
+/// What a start waits for.
+#[derive(Debug, Clone, Copy)]
+pub enum Awaited {
+    /// `GET /readyz` 200: serving, its store answering.
+    Ready,
+    /// `GET /healthz` 200: serving, whatever its store says (a process restarted while its
+    /// Redis Cluster fails over answers `/readyz` 503 until every slot is served again).
+    Alive,
+}
+
+impl Awaited {
+    fn path(self) -> &'static str {
+        match self {
+            Awaited::Ready => "/readyz",
+            Awaited::Alive => "/healthz",
+        }
+    }
+}
+
 /// Why [`Process::spawn`] has no ready process to give back.
 #[derive(Debug)]
 pub enum StartError {
@@ -78,6 +97,19 @@ impl Process {
             .unwrap_or_else(|e| panic!("callbackd did not start: {e}"))
     }
 
+    /// [`Process::start_with_env`], waiting only for it to serve ([`Awaited::Alive`]): a
+    /// restart while the store is not whole. [`Process::is_ready`] says when it is.
+    pub fn start_alive_with_env(store_url: &str, extra: &str, env: &[(&str, &str)]) -> Process {
+        Process::try_start_awaiting(
+            store_url,
+            extra,
+            env,
+            Duration::from_secs(15),
+            Awaited::Alive,
+        )
+        .unwrap_or_else(|e| panic!("callbackd did not start: {e}"))
+    }
+
     /// [`Process::start_with_env`], waiting at most `timeout` for it to be ready, and saying
     /// why it is not rather than panicking.
     pub fn try_start_with_env(
@@ -86,22 +118,15 @@ impl Process {
         env: &[(&str, &str)],
         timeout: Duration,
     ) -> Result<Process, StartError> {
-        Process::launch(store_url, extra, env, timeout, "/readyz")
+        Process::try_start_awaiting(store_url, extra, env, timeout, Awaited::Ready)
     }
 
-    /// Like [`Process::start`], but started once it is alive (`/healthz` 200), ready or not:
-    /// for a process whose store is not up yet.
-    pub fn start_alive(store_url: &str, extra: &str) -> Process {
-        Process::launch(store_url, extra, &[], Duration::from_secs(15), "/healthz")
-            .unwrap_or_else(|e| panic!("callbackd did not start: {e}"))
-    }
-
-    fn launch(
+    fn try_start_awaiting(
         store_url: &str,
         extra: &str,
         env: &[(&str, &str)],
         timeout: Duration,
-        probe: &'static str,
+        awaited: Awaited,
     ) -> Result<Process, StartError> {
         let config = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(
@@ -139,7 +164,7 @@ shutdown_grace_secs = 10
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        let mut process = Process::spawn_until(cmd, port, timeout, probe)?;
+        let mut process = Process::spawn_awaiting(cmd, port, timeout, awaited)?;
         process._config = Some(config);
         Ok(process)
     }
@@ -149,15 +174,14 @@ shutdown_grace_secs = 10
     /// meanwhile is an error at once. For callers that need their own config file,
     /// environment or log (the load bench); tests use [`Process::start`].
     pub fn spawn(cmd: Command, port: u16, timeout: Duration) -> Result<Process, StartError> {
-        Process::spawn_until(cmd, port, timeout, "/readyz")
+        Process::spawn_awaiting(cmd, port, timeout, Awaited::Ready)
     }
 
-    /// [`Process::spawn`], until `GET probe` answers 200.
-    fn spawn_until(
+    fn spawn_awaiting(
         mut cmd: Command,
         port: u16,
         timeout: Duration,
-        probe: &'static str,
+        awaited: Awaited,
     ) -> Result<Process, StartError> {
         let child = cmd.spawn().map_err(StartError::Spawn)?;
         // Built before the wait, so a process that never listens is killed on the way out.
@@ -169,7 +193,7 @@ shutdown_grace_secs = 10
         let deadline = std::time::Instant::now() + timeout;
         // An open port is not a ready process: the port is bound before the store is opened,
         // and a process whose store refuses it exits after taking connections.
-        while !answers_200(port, probe) {
+        while !answers_200(port, awaited.path()) {
             if let Ok(Some(status)) = process.child.try_wait() {
                 return Err(StartError::Exited(status));
             }
@@ -179,6 +203,12 @@ shutdown_grace_secs = 10
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(process)
+    }
+
+    /// Whether its `GET /readyz` answers 200 now.
+    pub fn is_ready(&self) -> bool {
+        let port = self.url.rsplit(':').next().and_then(|p| p.parse().ok());
+        port.is_some_and(|port| answers_200(port, Awaited::Ready.path()))
     }
 
     pub fn pid(&self) -> u32 {
@@ -231,10 +261,10 @@ shutdown_grace_secs = 10
     }
 }
 
-/// Whether `GET path` on 127.0.0.1:`port` answers 200. Plain HTTP/1.1 on a socket, since the
-/// wait blocks its thread (the load bench runs it on the blocking pool). The read gives up
-/// after a second so the caller can look at the process again, and a process that exits
-/// closes the connection at once.
+/// Whether `GET <path>` on 127.0.0.1:`port` answers 200. Plain HTTP/1.1 on a socket, since
+/// the wait blocks its thread (the load bench runs it on the blocking pool). A process still
+/// starting holds the connection unanswered; the read gives up after a second so the caller
+/// can look at the process again, and a process that exits closes it at once.
 fn answers_200(port: u16, path: &str) -> bool {
     let address = SocketAddr::from(([127, 0, 0, 1], port));
     let Ok(mut stream) = TcpStream::connect_timeout(&address, Duration::from_secs(1)) else {
