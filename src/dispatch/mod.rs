@@ -167,8 +167,15 @@ impl Dispatcher {
             self.track(&c);
             let this = Arc::clone(self);
             let span = tracing::info_span!("delivery", message_id = %c.message.id, attempt = c.attempts + 1);
+            // Admitted here, not in the task: the permits and the waiting room it takes must
+            // be gone before the next claim is sized by them.
+            let admission = self.hosts.admit(&url);
+            let permit = match &admission {
+                Admission::Send(_) => self.permits.clone().try_acquire_owned().ok(),
+                _ => None,
+            };
             let work = async move {
-                let slot = match this.hosts.admit(&url) {
+                let slot = match admission {
                     Admission::Send(slot) => slot,
                     Admission::Wait(waiter) => match waiter.slot(HOST_WAIT).await {
                         Ok(slot) => slot,
@@ -178,8 +185,12 @@ impl Dispatcher {
                 };
                 // Claims ask for at most the free permits, so one is free unless waiters
                 // that got their slots took it first.
-                let Ok(permit) = this.permits.clone().acquire_owned().await else {
-                    return this.untrack(&c);
+                let permit = match permit {
+                    Some(permit) => permit,
+                    None => match this.permits.clone().acquire_owned().await {
+                        Ok(permit) => permit,
+                        Err(_) => return this.untrack(&c),
+                    },
                 };
                 this.deliver(c, url, permit, slot).await;
             };
