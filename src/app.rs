@@ -1,12 +1,13 @@
 //! The state every handler and the dispatcher share, built once from the config.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::Clock;
+use crate::clock::{Clock, millis};
 use crate::config::{Config, Settings};
 use crate::store::{Store, StoreError};
 
@@ -25,9 +26,11 @@ pub struct App {
     pub body_budget: Arc<Semaphore>,
     /// Deliveries and failures per minute made by this process, for the console's chart.
     pub deliveries: Arc<crate::stats::DeliveryStats>,
-    /// When the store last answered a ping (the app clock's ms): `/healthz` fails once it is
-    /// older than `store.healthz_fails_after_secs`.
-    pub store_answered_at: AtomicI64,
+    /// When the store last answered a ping, in ms since `started`: `/healthz` fails once it
+    /// is older than `store.healthz_fails_after_secs`. Monotonic, not the app clock: it is
+    /// about the connection now, and a virtual clock moved by days must not fail it.
+    store_answered_at: AtomicU64,
+    started: Instant,
 }
 
 impl App {
@@ -45,7 +48,8 @@ impl App {
     pub fn with_settings(settings: Settings, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> App {
         App {
             body_budget: Arc::new(Semaphore::new(settings.server.max_buffered_bytes)),
-            store_answered_at: AtomicI64::new(clock.now_ms()),
+            store_answered_at: AtomicU64::new(0),
+            started: Instant::now(),
             settings,
             store,
             clock,
@@ -67,7 +71,7 @@ impl App {
         loop {
             if matches!(self.store.ping().await, Ok(()) | Err(StoreError::Full(_))) {
                 self.store_answered_at
-                    .store(self.clock.now_ms(), Ordering::Relaxed);
+                    .store(millis(self.started.elapsed()), Ordering::Relaxed);
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -80,8 +84,9 @@ impl App {
     /// `store.healthz_fails_after_secs`.
     pub fn store_silent_for(&self) -> Option<std::time::Duration> {
         let limit = self.settings.store.healthz_fails_after?;
-        let since = self.clock.now_ms() - self.store_answered_at.load(Ordering::Relaxed);
-        let silent = std::time::Duration::from_millis(u64::try_from(since).unwrap_or(0));
+        let since = millis(self.started.elapsed())
+            .saturating_sub(self.store_answered_at.load(Ordering::Relaxed));
+        let silent = std::time::Duration::from_millis(since);
         (silent > limit).then_some(silent)
     }
 }

@@ -9,9 +9,13 @@
 //! - `store/`: the one seam to storage, each state change one atomic step with `now` from the
 //!   caller; `store/lifecycle.rs` states the message lifecycle once, in plain Rust, and the
 //!   engines, `store/sqlite/` and `store/redis/`, are held to it;
-//! - `dispatch/`: the workers that claim, deliver and complete;
+//! - `dispatch/`: the workers that claim, deliver and complete, within per-host slots
+//!   (`dispatch/hosts.rs`); `ssrf.rs` the addresses a delivery may reach;
 //! - `config/`: the file, its checks and the typed settings built from it once;
-//! - `alerts.rs`, `metrics.rs`, `trace.rs`: what operators watch.
+//! - `alerts.rs`, `metrics.rs`, `trace.rs`, `redact.rs`: what operators watch and see.
+//!
+//! `run` serves at once and waits for a store that is not reachable yet; `serve` runs the
+//! HTTP server, the dispatcher, the sweeper and the store watch behind `/healthz`.
 
 pub mod alerts;
 pub mod app;

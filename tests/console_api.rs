@@ -966,3 +966,22 @@ async fn traceparent_travels_from_the_request_to_each_delivery() {
     assert_eq!(plain.header("traceparent"), None);
     server.stop().await;
 }
+
+/// `/healthz` judges the store's silence by the machine's monotonic time, not the app clock: a
+/// virtual clock moved past `store.healthz_fails_after_secs` does not fail it.
+#[tokio::test]
+async fn healthz_is_not_failed_by_a_clock_jump() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, clock, _d) = virtual_server(&sqlite_url(&dir), |_| {}).await;
+    // The store watch's first ping, before the jump (the next comes a second later).
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    clock.set(clock.now_ms() + 40 * 86_400_000);
+    let r = server
+        .client
+        .get(format!("{}/healthz", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    server.stop().await;
+}
