@@ -13,6 +13,7 @@
 pub mod ids;
 pub mod lifecycle;
 pub mod partitions;
+pub mod postgres;
 pub mod redis;
 pub mod sqlite;
 pub mod sweeper;

@@ -1,0 +1,197 @@
+//! The layout version, recorded in the database (`callbackd_layout`), and the migrations that
+//! bring a database to it: the SQL files of `migrations/`, numbered, applied in order.
+//!
+//! Why this way:
+//!
+//! - **One transaction under one lock.** Every start takes the same advisory transaction lock
+//!   first, so two processes starting on one database never migrate at once: the second waits,
+//!   then finds the layout done. PostgreSQL's DDL is transactional, so the files that are due
+//!   and the rows recording their versions commit together or not at all; a crash mid-way
+//!   leaves the older layout, and the next start applies them again.
+//! - **A newer layout refuses an older binary**, naming both versions: its tables may mean
+//!   things this code does not know, and writing them could damage them. The check runs at
+//!   every start ([`read_layout`]), before anything is written.
+//! - **The next layout** is a file `0002_<what>.sql` added to [`MIGRATIONS`] that changes the
+//!   tables in place (`ALTER TABLE`, new tables and indexes; on a partitioned table, the
+//!   parent, which PostgreSQL carries to every partition). It is applied by the first
+//!   callbackd of layout 2 that starts, while processes of layout 1 may still be running:
+//!   so it only adds (a column with a default, a table, an index `CONCURRENTLY` in a later
+//!   step if it is large) until every process runs layout 2, and anything that drops or
+//!   renames what layout 1 uses waits for a layout after that. Processes of layout 1 started
+//!   after the upgrade refuse to start ([`check_version`]).
+//!
+//! Beside the layout, `callbackd_partitions` records the store's partition count
+//! (`store.partitions`, [`crate::store::partitions::settle`]) in the same transaction.
+
+use deadpool_postgres::Client;
+
+use super::error::{Db, column, corrupt};
+use crate::store::StoreError;
+use crate::store::partitions::{self, Found, Partitions};
+
+/// The layout this binary reads and writes: the last of [`MIGRATIONS`].
+pub const LAYOUT_VERSION: i32 = 1;
+
+/// Each layout version and the SQL that builds it from the one before.
+const MIGRATIONS: [(i32, &str); 1] = [(1, include_str!("migrations/0001_layout.sql"))];
+
+/// The advisory lock every start takes before reading or changing the layout: a constant of
+/// this engine ("callbackd" in ASCII, cut to 63 bits).
+const LAYOUT_LOCK: i64 = 0x6361_6c6c_6261_636b;
+
+/// What a start found: the layout version recorded (0 for an empty database) and the
+/// partition count recorded, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Layout {
+    pub version: i32,
+    pub partitions: Option<Partitions>,
+}
+
+/// Reads the recorded layout without writing anything, and refuses one newer than this
+/// binary's.
+pub(super) async fn read_layout(client: &Client) -> Result<Layout, StoreError> {
+    let layout = read_recorded(client).await?;
+    check_version(layout.version)?;
+    Ok(layout)
+}
+
+/// Brings the database to [`LAYOUT_VERSION`] and records the partition count the store opens
+/// with (`configured`, settled against what is recorded). Returns the version found.
+pub(super) async fn migrate(
+    client: &mut Client,
+    configured: Option<Partitions>,
+) -> Result<(i32, Partitions), StoreError> {
+    let tx = client.transaction().await.db()?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LAYOUT_LOCK])
+        .await
+        .db()?;
+    // Read again under the lock: another process may have migrated while this one waited.
+    let found = read_recorded(&tx).await?;
+    check_version(found.version)?;
+    for (version, sql) in MIGRATIONS {
+        if version > found.version {
+            tx.batch_execute(sql).await.db()?;
+            tx.execute(
+                "INSERT INTO callbackd_layout (version) VALUES ($1)",
+                &[&version],
+            )
+            .await
+            .db()?;
+        }
+    }
+    let recorded = match found.partitions {
+        Some(held) => Found::Recorded(held),
+        None => Found::Empty,
+    };
+    let partitions = partitions::settle(configured, recorded)?;
+    tx.execute(
+        "INSERT INTO callbackd_partitions (count) VALUES ($1) ON CONFLICT (only_row) DO NOTHING",
+        &[&i32::from(partitions.count())],
+    )
+    .await
+    .db()?;
+    tx.commit().await.db()?;
+    Ok((found.version, partitions))
+}
+
+/// The newest version `callbackd_layout` records (0 when there is no such table), and the
+/// recorded partition count.
+async fn read_recorded(
+    client: &impl deadpool_postgres::GenericClient,
+) -> Result<Layout, StoreError> {
+    // The catalog read as a table, by this statement's snapshot: a name lookup
+    // (`to_regclass`) may answer from a cache that a wait on the advisory lock did not
+    // refresh, and miss the tables another process has just created.
+    let row = client
+        .query_one(
+            "SELECT \
+               EXISTS (SELECT FROM pg_tables \
+                       WHERE schemaname = current_schema() AND tablename = 'callbackd_layout'), \
+               EXISTS (SELECT FROM pg_tables \
+                       WHERE schemaname = current_schema() AND tablename = 'callbackd_partitions')",
+            &[],
+        )
+        .await
+        .db()?;
+    let (has_layout, has_partitions): (bool, bool) = (column(&row, 0)?, column(&row, 1)?);
+    let version = if has_layout {
+        let row = client
+            .query_one(
+                "SELECT coalesce(max(version), 0) FROM callbackd_layout",
+                &[],
+            )
+            .await
+            .db()?;
+        column(&row, 0)?
+    } else {
+        0
+    };
+    let partitions = if has_partitions {
+        let rows = client
+            .query("SELECT count FROM callbackd_partitions", &[])
+            .await
+            .db()?;
+        match rows.first() {
+            Some(row) => {
+                let count: i32 = column(row, 0)?;
+                Some(
+                    u16::try_from(count)
+                        .ok()
+                        .and_then(Partitions::new)
+                        .ok_or_else(|| {
+                            corrupt(format!(
+                                "callbackd_partitions holds {count}, not a count of 1 to {}",
+                                Partitions::MAX
+                            ))
+                        })?,
+                )
+            }
+            None => None,
+        }
+    } else {
+        None
+    };
+    Ok(Layout {
+        version,
+        partitions,
+    })
+}
+
+/// Refuses a layout newer than this binary's, naming both.
+fn check_version(found: i32) -> Result<(), StoreError> {
+    if found > LAYOUT_VERSION {
+        return Err(StoreError::Incompatible(format!(
+            "the PostgreSQL store has layout version {found}, newer than this callbackd's \
+             {LAYOUT_VERSION}: it was upgraded by a newer callbackd; run that version or a \
+             later one"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_migrations_are_numbered_in_order_up_to_the_layout_version() {
+        for (n, (version, _)) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(*version, n as i32 + 1);
+        }
+        assert_eq!(MIGRATIONS.last().map(|(v, _)| *v), Some(LAYOUT_VERSION));
+    }
+
+    #[test]
+    fn a_newer_layout_is_refused_naming_both_versions() {
+        assert!(check_version(LAYOUT_VERSION).is_ok());
+        assert!(check_version(0).is_ok());
+        let Err(StoreError::Incompatible(why)) = check_version(LAYOUT_VERSION + 1) else {
+            panic!("refused");
+        };
+        assert!(
+            why.contains(&format!("layout version {}", LAYOUT_VERSION + 1))
+                && why.contains(&format!("this callbackd's {LAYOUT_VERSION}")),
+            "{why}"
+        );
+    }
+}

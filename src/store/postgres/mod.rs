@@ -1,0 +1,241 @@
+//! The PostgreSQL engine: the store payment teams already run, managed, with a synchronous
+//! standby, backups and point-in-time recovery (ARCHITECTURE.md, "The store seam").
+//!
+//! Why it is built this way:
+//!
+//! - **The engine decides nothing.** The rules are `store::lifecycle`'s; each write applies
+//!   what they decide, as the SQLite engine does, in one transaction, so a 2xx means the claim
+//!   and the record are committed together (ARCHITECTURE.md §1.2) and, with
+//!   `synchronous_commit = on`, flushed to disk (and to a synchronous standby) first.
+//! - **Several processes, one database.** Nothing is held in the process that another could
+//!   contradict: leases are timed by the database's clock, claims take queue heads with
+//!   `FOR UPDATE SKIP LOCKED`, so N processes share the queue and each message is delivered
+//!   once.
+//! - **Retention without bloat.** Finished messages and their history live in one partition
+//!   per day their retention ends, dropped whole once the sweep horizon passes it; a resend
+//!   moves a message back to the live partition first (`migrations/0001_layout.sql`).
+//! - **Bounded calls.** Every call runs within the store timeout on a pooled connection, which
+//!   is dropped after any failure; a lost connection is a 503 + `Retry-After`, never a hang
+//!   (`connection.rs`).
+//! - **A versioned layout.** The version is recorded in the database and checked at every
+//!   start; a newer one refuses an older binary (`migrate.rs`).
+//!
+//! | file | holds |
+//! |---|---|
+//! | `connection.rs` | the URL (multi-host, `sslmode`, TLS files), the pool, the bounded call, the redacted URL |
+//! | `error.rs` | PostgreSQL failures as `StoreError`s |
+//! | `durability.rs` | the start-up check of `fsync`, `synchronous_commit` and the synchronous standby |
+//! | `migrate.rs`, `migrations/` | the layout version and the SQL that builds each layout |
+//! | `reads.rs` | get, list, depth, payment status, oldest unfinished, ping |
+//! | `operations.rs` | resend request ids |
+
+mod connection;
+mod durability;
+mod error;
+mod migrate;
+mod operations;
+mod reads;
+
+use std::time::Duration;
+
+use futures_util::FutureExt;
+
+pub use connection::{ClientCertificate, PostgresTls, redacted_url};
+pub use durability::{DurabilitySettings, Setting, judge};
+pub use migrate::LAYOUT_VERSION;
+
+use self::connection::Database;
+use super::{
+    ListFilter, MessageId, MessageRecord, OperationReservation, Page, Partitions, QueueDepth,
+    StoreError,
+};
+use crate::clock::Millis;
+use crate::durability::Verdict;
+
+/// Connections a store keeps open at most when the options say nothing: every call holds one
+/// for a round trip or a short transaction, so a handful serve a busy process.
+pub const DEFAULT_POOL_SIZE: usize = 16;
+
+/// How to reach PostgreSQL beyond its URL.
+#[derive(Debug, Clone)]
+pub struct PostgresOptions {
+    /// CA and client certificates (`store.tls_*`); the default trusts the system's roots.
+    pub tls: PostgresTls,
+    /// `store.partitions` when set: a new store records it, an existing one must agree with
+    /// its own. `None` keeps what the store has (the default for a new one).
+    pub partitions: Option<Partitions>,
+    /// Connections kept open at most.
+    pub pool_size: usize,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        PostgresOptions {
+            tls: PostgresTls::default(),
+            partitions: None,
+            pool_size: DEFAULT_POOL_SIZE,
+        }
+    }
+}
+
+pub struct PostgresStore {
+    db: Database,
+    /// The partition count the store records, or will record when it is migrated.
+    partitions: Partitions,
+    /// `store.partitions`, settled again under the migration's lock.
+    configured_partitions: Option<Partitions>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("url", &self.db.shown_url())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// Connects to the database at `url` with the default options.
+    pub async fn connect(url: &str, timeout: Duration) -> Result<PostgresStore, StoreError> {
+        PostgresStore::connect_with(url, timeout, &PostgresOptions::default()).await
+    }
+
+    /// Opens the pool and one connection, and reads the recorded layout without writing
+    /// anything: a layout newer than this binary's, or a configured partition count that
+    /// contradicts the recorded one, is refused here. [`PostgresStore::migrate`] then brings
+    /// the layout up to date, once [`PostgresStore::durability`] has judged the server.
+    pub async fn connect_with(
+        url: &str,
+        timeout: Duration,
+        options: &PostgresOptions,
+    ) -> Result<PostgresStore, StoreError> {
+        let db = Database::open(url, timeout, &options.tls, options.pool_size).await?;
+        let layout = db
+            .call(|client| migrate::read_layout(client).boxed())
+            .await?;
+        let found = match layout.partitions {
+            Some(held) => crate::store::partitions::Found::Recorded(held),
+            None => crate::store::partitions::Found::Empty,
+        };
+        let partitions = crate::store::partitions::settle(options.partitions, found)?;
+        Ok(PostgresStore {
+            db,
+            partitions,
+            configured_partitions: options.partitions,
+        })
+    }
+
+    /// The URL as messages and logs may show it: the password hidden.
+    pub fn shown_url(&self) -> &str {
+        self.db.shown_url()
+    }
+
+    /// Reads the server's durability settings, as this role's sessions see them.
+    pub async fn durability_settings(&self) -> Result<DurabilitySettings, StoreError> {
+        self.db
+            .call(|client| durability::read_settings(client).boxed())
+            .await
+    }
+
+    /// Judges the server's durability ([`judge`]): refused under `require_durable` when a
+    /// commit may be acknowledged before it is on disk.
+    pub async fn durability(&self, require_durable: bool) -> Result<Verdict, StoreError> {
+        Ok(judge(&self.durability_settings().await?, require_durable))
+    }
+
+    /// Brings the layout up to [`LAYOUT_VERSION`] and records the partition count; returns
+    /// the version found (0 for an empty database).
+    pub async fn migrate(&mut self) -> Result<i32, StoreError> {
+        let configured = self.configured_partitions.or(Some(self.partitions));
+        let (found, partitions) = self
+            .db
+            .call(move |client| migrate::migrate(client, configured).boxed())
+            .await?;
+        self.partitions = partitions;
+        Ok(found)
+    }
+
+    /// The store's partition count: new message ids are generated for it.
+    pub fn partitions(&self) -> Partitions {
+        self.partitions
+    }
+
+    pub async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError> {
+        let id = id.to_string();
+        self.db
+            .call(move |client| async move { reads::get(client, &id).await }.boxed())
+            .await
+    }
+
+    pub async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
+        let filter = filter.clone();
+        self.db
+            .call(move |client| async move { reads::list(client, &filter).await }.boxed())
+            .await
+    }
+
+    pub async fn depth(&self) -> Result<QueueDepth, StoreError> {
+        self.db.call(|client| reads::depth(client).boxed()).await
+    }
+
+    pub async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
+        self.db
+            .call(|client| reads::oldest_unfinished(client).boxed())
+            .await
+    }
+
+    pub async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
+        let payment_id = payment_id.to_string();
+        self.db
+            .call(move |client| {
+                async move { reads::payment_status(client, &payment_id, now).await }.boxed()
+            })
+            .await
+    }
+
+    /// Readiness: the server answers and takes writes.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.db.call(|client| reads::ping(client).boxed()).await
+    }
+
+    pub async fn reserve_operation(
+        &self,
+        key: &str,
+        fingerprint: &str,
+        ttl_secs: u64,
+    ) -> Result<OperationReservation, StoreError> {
+        let (key, fingerprint) = (key.to_string(), fingerprint.to_string());
+        self.db
+            .call(move |client| {
+                async move { operations::reserve(client, &key, &fingerprint, ttl_secs).await }
+                    .boxed()
+            })
+            .await
+    }
+
+    pub async fn finish_operation(
+        &self,
+        key: &str,
+        fingerprint: &str,
+        response: &str,
+        ttl_secs: u64,
+    ) -> Result<(), StoreError> {
+        let (key, fingerprint, response) = (
+            key.to_string(),
+            fingerprint.to_string(),
+            response.to_string(),
+        );
+        self.db
+            .call(move |client| {
+                async move {
+                    operations::finish(client, &key, &fingerprint, &response, ttl_secs).await
+                }
+                .boxed()
+            })
+            .await
+    }
+}

@@ -1,0 +1,585 @@
+//! The PostgreSQL engine's foundations against private servers (`support/postgres.rs`): the
+//! layout and its version, the partition count, the durability check, the bounded calls (a
+//! lost server or a held lock is a quick `Unavailable`, never a hang), a multi-host URL that
+//! follows a failover, and the reads over rows as the layout holds them.
+
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use callbackd::clock::Millis;
+use callbackd::durability::Verdict;
+use callbackd::store::partitions::Partitions;
+use callbackd::store::postgres::{LAYOUT_VERSION, PostgresOptions, PostgresStore};
+use callbackd::store::{
+    DeliveryAttempt, HistoryEntry, ListFilter, MessageId, MessageKind, MessageState, NewMessage,
+    OperationReservation, QueueDepth, StoreError,
+};
+use postgres_support::{PostgresServer, free_port};
+
+/// 2025-11-30T00:00:00Z: ids encode creation time, so times must be realistic.
+const T0: Millis = 1_764_460_800_000;
+const DAY_MS: Millis = 86_400_000;
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+async fn migrated(server: &PostgresServer) -> PostgresStore {
+    let mut store = PostgresStore::connect(&server.url(), TIMEOUT)
+        .await
+        .expect("connects");
+    store.migrate().await.expect("migrates");
+    store
+}
+
+/// A client of the test's own, for what the engine cannot do yet or must not do.
+async fn raw_client(server: &PostgresServer) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(&server.url(), tokio_postgres::NoTls)
+        .await
+        .expect("a raw connection");
+    tokio::spawn(connection);
+    client
+}
+
+fn message(ordering_key: &str, source: Option<&str>, created_at: Millis) -> NewMessage {
+    NewMessage {
+        id: MessageId::generate(created_at, ordering_key, Partitions::DEFAULT),
+        kind: MessageKind::Inbound,
+        source: source.map(str::to_string),
+        payment_id: None,
+        transaction_id: Some("tx-1".into()),
+        ordering_key: ordering_key.to_string(),
+        event: None,
+        target_url: Some("http://127.0.0.1:9/cb".into()),
+        headers: BTreeMap::new(),
+        body: r#"{"id":"tx-1","status":"PAID"}"#.into(),
+        created_at,
+        deadline: created_at + 7 * DAY_MS,
+    }
+}
+
+/// Writes a message row (and its history) as the layout holds it: `ends_at` `None` in the
+/// live partition, else in the partition of its end day, created here.
+async fn insert_message(
+    client: &tokio_postgres::Client,
+    message: &NewMessage,
+    state: MessageState,
+    ends_at: Option<Millis>,
+    history: &[HistoryEntry],
+) {
+    let end_day: i32 = ends_at.map_or(0, |end| (end / DAY_MS + 1) as i32);
+    if end_day != 0 {
+        for table in ["messages", "history"] {
+            client
+                .batch_execute(&format!(
+                    "CREATE TABLE IF NOT EXISTS {table}_d{end_day} PARTITION OF {table} \
+                     FOR VALUES IN ({end_day})"
+                ))
+                .await
+                .expect("a day partition");
+        }
+    }
+    let json = serde_json::to_string(message).unwrap();
+    let attempts = history.iter().filter(|h| h.delivery().is_some()).count() as i32;
+    client
+        .execute(
+            "INSERT INTO messages (id, end_day, message_json, source, ordering_key, state, \
+             deadline, due_at, ends_at, history_total, delivery_attempts) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            &[
+                &message.id.as_str(),
+                &end_day,
+                &json,
+                &message.source,
+                &message.ordering_key,
+                &state.as_str(),
+                &message.deadline,
+                &(state == MessageState::Pending).then_some(message.created_at),
+                &ends_at,
+                &(history.len() as i64),
+                &attempts,
+            ],
+        )
+        .await
+        .expect("a message row");
+    for (n, entry) in history.iter().enumerate() {
+        client
+            .execute(
+                "INSERT INTO history (message_id, end_day, seq, entry_json) VALUES ($1, $2, $3, $4)",
+                &[
+                    &message.id.as_str(),
+                    &end_day,
+                    &(n as i64 + 1),
+                    &serde_json::to_string(entry).unwrap(),
+                ],
+            )
+            .await
+            .expect("a history row");
+    }
+}
+
+fn attempt(n: u32, at: Millis, status: u16) -> HistoryEntry {
+    HistoryEntry::Delivery(DeliveryAttempt {
+        attempt: n,
+        at,
+        status: Some(status),
+        error: None,
+        latency_ms: Some(12),
+        response: None,
+    })
+}
+
+#[tokio::test]
+async fn a_new_database_gets_the_layout_recorded_once_and_reads_empty() {
+    let server = PostgresServer::start();
+    let mut store = PostgresStore::connect(&server.url(), TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(store.migrate().await.unwrap(), 0, "an empty database");
+    assert_eq!(store.partitions(), Partitions::DEFAULT);
+    let mut again = PostgresStore::connect(&server.url(), TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(again.migrate().await.unwrap(), LAYOUT_VERSION);
+    assert_eq!(
+        server.psql("SELECT string_agg(version::text, ',') FROM callbackd_layout"),
+        LAYOUT_VERSION.to_string(),
+        "each version recorded once"
+    );
+
+    let id = MessageId::generate(T0, "pay/1", store.partitions());
+    assert_eq!(store.get(&id).await.unwrap(), None);
+    let page = store
+        .list(&ListFilter {
+            limit: 10,
+            ..ListFilter::default()
+        })
+        .await
+        .unwrap();
+    assert!(page.messages.is_empty() && page.next_after.is_none());
+    assert_eq!(store.depth().await.unwrap(), QueueDepth::default());
+    assert_eq!(store.oldest_unfinished().await.unwrap(), None);
+    assert_eq!(store.payment_status("pay-1", T0).await.unwrap(), None);
+    store.ping().await.unwrap();
+}
+
+#[tokio::test]
+async fn two_processes_starting_at_once_migrate_once() {
+    let server = PostgresServer::start();
+    let url = server.url();
+    let starts = (0..4).map(|_| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let mut store = PostgresStore::connect(&url, TIMEOUT).await?;
+            store.migrate().await
+        })
+    });
+    let mut found: Vec<i32> = futures::future::join_all(starts)
+        .await
+        .into_iter()
+        .map(|r| r.expect("joins").expect("migrates"))
+        .collect();
+    found.sort();
+    assert_eq!(
+        found,
+        [0, 1, 1, 1],
+        "one migrated, the others found it done"
+    );
+}
+
+#[tokio::test]
+async fn a_newer_layout_refuses_this_binary_naming_both_versions() {
+    let server = PostgresServer::start();
+    migrated(&server).await;
+    let newer = LAYOUT_VERSION + 1;
+    server.psql(&format!(
+        "INSERT INTO callbackd_layout (version) VALUES ({newer})"
+    ));
+    let Err(StoreError::Incompatible(why)) = PostgresStore::connect(&server.url(), TIMEOUT).await
+    else {
+        panic!("a newer layout must be refused");
+    };
+    assert!(
+        why.contains(&format!("layout version {newer}"))
+            && why.contains(&format!("this callbackd's {LAYOUT_VERSION}")),
+        "{why}"
+    );
+}
+
+#[tokio::test]
+async fn the_partition_count_is_recorded_and_a_contradicting_one_refused() {
+    let server = PostgresServer::start();
+    let options = |count| PostgresOptions {
+        partitions: Partitions::new(count),
+        ..PostgresOptions::default()
+    };
+    let mut store = PostgresStore::connect_with(&server.url(), TIMEOUT, &options(8))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(server.psql("SELECT count FROM callbackd_partitions"), "8");
+    let kept = PostgresStore::connect(&server.url(), TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(kept.partitions().count(), 8, "unset keeps the store's own");
+    let refused = PostgresStore::connect_with(&server.url(), TIMEOUT, &options(16)).await;
+    assert!(
+        matches!(refused, Err(StoreError::Incompatible(_))),
+        "{refused:?}"
+    );
+}
+
+#[tokio::test]
+async fn fsync_off_or_an_asynchronous_role_is_refused_when_durability_is_required() {
+    let lax = PostgresServer::start_with(&[("fsync", "off")]);
+    let store = PostgresStore::connect(&lax.url(), TIMEOUT).await.unwrap();
+    let Verdict::Refuse(why) = store.durability(true).await.unwrap() else {
+        panic!("fsync = off must be refused");
+    };
+    assert!(why.contains("fsync is off"), "{why}");
+    let Verdict::Start { warnings } = store.durability(false).await.unwrap() else {
+        panic!("only a warning without require_durable");
+    };
+    assert!(
+        warnings.iter().any(|w| w.contains("fsync is off")),
+        "{warnings:?}"
+    );
+
+    let server = PostgresServer::start();
+    server.psql("CREATE ROLE cb LOGIN SUPERUSER");
+    server.psql("ALTER ROLE cb SET synchronous_commit = off");
+    let url = server
+        .url()
+        .replace("postgres://postgres@", "postgres://cb@");
+    let store = PostgresStore::connect(&url, TIMEOUT).await.unwrap();
+    let Verdict::Refuse(why) = store.durability(true).await.unwrap() else {
+        panic!("the role's synchronous_commit = off must be refused");
+    };
+    assert!(
+        why.contains("synchronous_commit is off (set for this role"),
+        "{why}"
+    );
+}
+
+#[tokio::test]
+async fn no_synchronous_standby_is_a_warning_and_a_synchronous_one_silences_it() {
+    let mut primary = PostgresServer::start();
+    let store = PostgresStore::connect(&primary.url(), TIMEOUT)
+        .await
+        .unwrap();
+    let Verdict::Start { warnings } = store.durability(true).await.unwrap() else {
+        panic!("a durable server alone starts");
+    };
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("no synchronous standby"),
+        "{warnings:?}"
+    );
+
+    let _standby = PostgresServer::standby_of(&primary);
+    assert_eq!(
+        store.durability(true).await.unwrap(),
+        Verdict::Start { warnings: vec![] }
+    );
+    primary.kill9();
+}
+
+#[tokio::test]
+async fn a_multi_host_url_finds_the_primary_and_follows_a_failover() {
+    let mut primary = PostgresServer::start();
+    let standby = PostgresServer::standby_of(&primary);
+    let both = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        standby.port, primary.port
+    );
+    let mut store = PostgresStore::connect(&both, TIMEOUT).await.unwrap();
+    store
+        .migrate()
+        .await
+        .expect("the standby first in the URL is skipped");
+    store.ping().await.unwrap();
+
+    // A URL naming only the standby reaches it, and ping says it takes no writes.
+    let standby_only = PostgresStore::connect(&standby.url(), TIMEOUT)
+        .await
+        .unwrap();
+    let refused = standby_only.ping().await;
+    assert!(
+        matches!(&refused, Err(StoreError::Unavailable(why)) if why.contains("standby")),
+        "{refused:?}"
+    );
+
+    primary.kill9();
+    standby.promote();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match store.ping().await {
+            Ok(()) => break,
+            Err(StoreError::Unavailable(_)) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the promoted standby was not found: {e}"),
+        }
+    }
+    assert_eq!(store.depth().await.unwrap(), QueueDepth::default());
+}
+
+#[tokio::test]
+async fn a_lost_server_is_a_quick_unavailable_and_its_return_is_found() {
+    let mut server = PostgresServer::start();
+    let store = migrated(&server).await;
+    store.ping().await.unwrap();
+    server.kill9();
+    let started = Instant::now();
+    let lost = store.depth().await;
+    assert!(matches!(lost, Err(StoreError::Unavailable(_))), "{lost:?}");
+    assert!(
+        started.elapsed() < TIMEOUT + Duration::from_secs(1),
+        "within the store timeout: {:?}",
+        started.elapsed()
+    );
+    server.start_again();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while store.depth().await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted server was not found"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_call_held_up_by_a_lock_fails_within_the_timeout_and_the_next_one_works() {
+    let server = PostgresServer::start();
+    let store = migrated(&server).await;
+    let mut holder = raw_client(&server).await;
+    let tx = holder.transaction().await.unwrap();
+    tx.batch_execute("LOCK TABLE messages IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let held = store.depth().await;
+    assert!(matches!(held, Err(StoreError::Unavailable(_))), "{held:?}");
+    assert!(
+        started.elapsed() < TIMEOUT + Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(store.depth().await.unwrap(), QueueDepth::default());
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_unreachable_and_its_password_never_shown() {
+    let url = format!("postgres://cb:s3cret@127.0.0.1:{}/cb", free_port());
+    let err = PostgresStore::connect(&url, TIMEOUT)
+        .await
+        .expect_err("nothing listens there");
+    assert!(matches!(err, StoreError::Unreachable(_)), "{err:?}");
+    let text = err.to_string();
+    assert!(!text.contains("s3cret"), "{text}");
+    assert!(text.contains("cb:***@127.0.0.1"), "{text}");
+}
+
+#[tokio::test]
+async fn reads_see_live_and_finished_messages_until_the_sweep_horizon_passes_them() {
+    let server = PostgresServer::start();
+    let store = migrated(&server).await;
+    let raw = raw_client(&server).await;
+
+    let pending = message("src/payzu/tx-1", Some("payzu"), T0);
+    let delivered = message("src/payzu/tx-2", Some("payzu"), T0 + 1);
+    let dead = message("pay/p-1", None, T0 + 2);
+    let ends = T0 + 30 * DAY_MS;
+    let history = [attempt(1, T0 + 10, 500), attempt(2, T0 + 20, 200)];
+    insert_message(&raw, &pending, MessageState::Pending, None, &history[..1]).await;
+    insert_message(
+        &raw,
+        &delivered,
+        MessageState::Delivered,
+        Some(ends),
+        &history,
+    )
+    .await;
+    insert_message(&raw, &dead, MessageState::Dead, Some(ends + DAY_MS), &[]).await;
+
+    let got = store.get(&delivered.id).await.unwrap().expect("found");
+    assert_eq!(got.message, delivered);
+    assert_eq!(got.state, MessageState::Delivered);
+    assert_eq!(
+        got.history, history,
+        "in order, from the message's partition"
+    );
+    assert_eq!((got.history_total, got.delivery_attempts), (2, 2));
+    assert_eq!(got.ends_at, Some(ends));
+    let got = store.get(&pending.id).await.unwrap().expect("found");
+    assert_eq!(got.next_attempt_at, Some(T0));
+    assert_eq!(got.history, history[..1]);
+
+    assert_eq!(
+        store.depth().await.unwrap(),
+        QueueDepth {
+            pending: 1,
+            in_flight: 0,
+            dead: 1
+        }
+    );
+    assert_eq!(
+        store.oldest_unfinished().await.unwrap(),
+        Some(pending.id.clone())
+    );
+
+    // Pages in id order across partitions, with a cursor; filters by state, source, key.
+    let list = |filter: ListFilter| {
+        let store = &store;
+        async move { store.list(&filter).await.unwrap() }
+    };
+    let first = list(ListFilter {
+        limit: 2,
+        ..ListFilter::default()
+    })
+    .await;
+    let ids: Vec<_> = first
+        .messages
+        .iter()
+        .map(|m| m.message.id.clone())
+        .collect();
+    assert_eq!(ids, [pending.id.clone(), delivered.id.clone()]);
+    assert!(first.messages.iter().all(|m| m.history.is_empty()));
+    assert_eq!(first.next_after, Some(delivered.id.clone()));
+    let rest = list(ListFilter {
+        limit: 2,
+        after: first.next_after,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(rest.messages.len(), 1);
+    assert_eq!(rest.messages[0].message.id, dead.id);
+    assert_eq!(rest.next_after, None);
+    let by_state = list(ListFilter {
+        state: Some(MessageState::Dead),
+        limit: 10,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(by_state.messages.len(), 1);
+    let by_source = list(ListFilter {
+        source: Some("payzu".into()),
+        limit: 10,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(by_source.messages.len(), 2);
+    let by_key = list(ListFilter {
+        ordering_keys: Some(vec!["pay/p-1".into(), "src/payzu/tx-1".into()]),
+        limit: 10,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(by_key.messages.len(), 2);
+    let window = list(ListFilter {
+        created_from: Some(T0 + 1),
+        created_to: Some(T0 + 1),
+        limit: 10,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(window.messages.len(), 1);
+    assert_eq!(window.messages[0].message.id, delivered.id);
+
+    // The horizon at the delivered message's end: it is gone to every read, the dead one
+    // (ending a day later) and the pending one are not.
+    raw.execute("UPDATE sweep_horizon SET swept_to = $1", &[&ends])
+        .await
+        .unwrap();
+    assert_eq!(store.get(&delivered.id).await.unwrap(), None);
+    assert!(store.get(&dead.id).await.unwrap().is_some());
+    assert!(store.get(&pending.id).await.unwrap().is_some());
+    let everything = list(ListFilter {
+        limit: 10,
+        ..ListFilter::default()
+    })
+    .await;
+    assert_eq!(everything.messages.len(), 2);
+    raw.execute(
+        "UPDATE sweep_horizon SET swept_to = $1",
+        &[&(ends + DAY_MS)],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        store.depth().await.unwrap(),
+        QueueDepth {
+            pending: 1,
+            in_flight: 0,
+            dead: 0
+        }
+    );
+}
+
+#[tokio::test]
+async fn payment_states_are_read_until_their_end() {
+    let server = PostgresServer::start();
+    let store = migrated(&server).await;
+    server.psql(&format!(
+        "INSERT INTO payments (payment_id, status, expires_at) VALUES ('p-1', 'approved', {})",
+        T0 + 400 * DAY_MS
+    ));
+    assert_eq!(
+        store.payment_status("p-1", T0).await.unwrap().as_deref(),
+        Some("approved")
+    );
+    assert_eq!(
+        store
+            .payment_status("p-1", T0 + 400 * DAY_MS)
+            .await
+            .unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn an_operation_is_reserved_once_and_answers_its_record() {
+    let server = PostgresServer::start();
+    let store = migrated(&server).await;
+    assert_eq!(
+        store.reserve_operation("op-1", "fp1", 60).await.unwrap(),
+        OperationReservation::Fresh
+    );
+    assert_eq!(
+        store.reserve_operation("op-1", "fp1", 60).await.unwrap(),
+        OperationReservation::InProgress
+    );
+    assert_eq!(
+        store.reserve_operation("op-1", "fp2", 60).await.unwrap(),
+        OperationReservation::Mismatch
+    );
+    store
+        .finish_operation("op-1", "fp1", r#"{"resent":1}"#, 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.reserve_operation("op-1", "fp1", 60).await.unwrap(),
+        OperationReservation::Done(r#"{"resent":1}"#.into())
+    );
+    // A reservation past its end (by the database's clock) is taken afresh.
+    assert_eq!(
+        store.reserve_operation("op-2", "fp1", 0).await.unwrap(),
+        OperationReservation::Fresh
+    );
+    assert_eq!(
+        store.reserve_operation("op-2", "fp1", 60).await.unwrap(),
+        OperationReservation::Fresh
+    );
+    // Finishing a lapsed reservation creates its record.
+    store
+        .finish_operation("op-3", "fp1", "{}", 60)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.reserve_operation("op-3", "fp1", 60).await.unwrap(),
+        OperationReservation::Done("{}".into())
+    );
+}
