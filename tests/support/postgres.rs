@@ -168,6 +168,51 @@ impl PostgresServer {
         self.psql(&format!("CREATE DATABASE \"{db}\""));
     }
 
+    /// Writes `contents` into the server's dir as `name`, owned by the server user and
+    /// readable by it alone (as PostgreSQL wants a private key), and returns its path: for
+    /// `ssl_cert_file` and the like.
+    pub fn install_file(&self, name: &str, contents: &[u8]) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.dir.path().join(name);
+        std::fs::write(&path, contents).expect("writes into the server's dir");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
+        chown_to_server_user(&path).unwrap_or_else(|e| panic!("{e}"));
+        path
+    }
+
+    /// Puts `rules` before the `pg_hba.conf` rules initdb wrote (the first that matches a
+    /// connection decides) and reloads the server.
+    pub fn prepend_hba(&self, rules: &str) {
+        let path = self.data_dir().join("pg_hba.conf");
+        let written = std::fs::read_to_string(&path).expect("reads pg_hba.conf");
+        std::fs::write(&path, format!("{rules}\n{written}")).expect("writes pg_hba.conf");
+        self.reload();
+    }
+
+    /// `ALTER SYSTEM SET` each of `settings` (they last across restarts) and reloads; for the
+    /// settings a reload applies (`ssl`, `synchronous_standby_names`, ...).
+    pub fn reload_with(&self, settings: &[(&str, &str)]) {
+        for (name, value) in settings {
+            self.psql(&format!(
+                "ALTER SYSTEM SET {name} = '{}'",
+                value.replace('\'', "''")
+            ));
+        }
+        self.reload();
+    }
+
+    /// Reloads the configuration and waits until new sessions have it: the postmaster
+    /// rereads its files after the signal, and each new session inherits its load time.
+    fn reload(&self) {
+        let before = self.psql("SELECT pg_conf_load_time()");
+        self.psql("SELECT pg_reload_conf()");
+        let deadline = Instant::now() + READY_WITHIN;
+        while self.psql("SELECT pg_conf_load_time()") == before {
+            assert!(Instant::now() < deadline, "port {}: no reload", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The postmaster's pid (for its CPU time in /proc, or a signal).
     pub fn pid(&self) -> u32 {
         self.postmaster.expect("the server is running")

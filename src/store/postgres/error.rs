@@ -58,20 +58,25 @@ pub(super) fn pool_error(e: PoolError, shown_url: &str) -> StoreError {
 
 /// A failure to open a connection: [`StoreError::Unreachable`] when waiting may help.
 pub(super) fn open_error(e: tokio_postgres::Error, shown_url: &str) -> StoreError {
-    let text = format!("PostgreSQL at {shown_url}: {e}");
     if let Some(db) = e.as_db_error() {
+        let text = format!(
+            "PostgreSQL at {shown_url}: {} {}: {}",
+            db.severity(),
+            db.code().code(),
+            db.message()
+        );
         return match db.code() {
             // Starting up, in crash recovery, or shutting down: it will take connections.
             &SqlState::CANNOT_CONNECT_NOW | &SqlState::ADMIN_SHUTDOWN => {
                 StoreError::Unreachable(text)
             }
-            &SqlState::TOO_MANY_CONNECTIONS => StoreError::Unavailable(text),
-            _ => match db_error(e) {
-                StoreError::Unavailable(_) => StoreError::Unavailable(text),
-                other => other,
-            },
+            &SqlState::DISK_FULL => StoreError::Full(text),
+            // A wrong password, a role or database that does not exist, a pg_hba.conf rule, too
+            // many connections: waiting changes none of them by itself.
+            _ => StoreError::Unavailable(text),
         };
     }
+    let text = format!("PostgreSQL at {shown_url}: {e}");
     let io_kind = e
         .source()
         .and_then(|cause| cause.downcast_ref::<io::Error>())
