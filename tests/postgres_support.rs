@@ -1,7 +1,8 @@
 //! The private PostgreSQL servers of `support/postgres.rs` do what the PostgreSQL tests rely
 //! on: they start with the durable settings on their own port, keep a committed write across
 //! a SIGKILL of the postmaster and across `pg_ctl stop -m immediate`, and a promoted
-//! synchronous standby holds every row its primary acknowledged.
+//! synchronous standby holds every row its primary acknowledged. The shared server of a test
+//! binary hands each test a database of its own.
 
 #[path = "support/postgres.rs"]
 #[allow(dead_code)]
@@ -86,4 +87,24 @@ fn a_promoted_synchronous_standby_has_every_acknowledged_row() {
     assert_eq!(standby.psql("SELECT n FROM t"), "42");
     standby.psql("INSERT INTO t VALUES (43)");
     assert_eq!(standby.psql("SELECT count(*) FROM t"), "2");
+}
+
+#[test]
+fn the_shared_server_gives_each_test_a_database_of_its_own() {
+    let shared = PostgresServer::shared();
+    assert!(
+        std::ptr::eq(shared, PostgresServer::shared()),
+        "one per binary"
+    );
+    let (a, b) = (shared.fresh_database(), shared.fresh_database());
+    assert_ne!(a, b);
+    let db = |url: &str| url.rsplit('/').next().unwrap().to_string();
+    shared.psql_db(&db(&a), "CREATE TABLE t (n int)");
+    assert_eq!(
+        shared.psql_db(
+            &db(&b),
+            "SELECT count(*) FROM pg_tables WHERE tablename = 't'"
+        ),
+        "0"
+    );
 }

@@ -15,8 +15,9 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The user every server program runs as.
@@ -80,6 +81,56 @@ impl PostgresServer {
         let mut server = server;
         server.try_start_again()?;
         Ok(server)
+    }
+
+    /// One server for a whole test binary, started on first use, for tests that need a
+    /// database of their own but not a server ([`PostgresServer::fresh_database`]). A static's
+    /// `Drop` never runs, so a watchdog stops the server and removes its dir once the test
+    /// process is gone, however it ended.
+    pub fn shared() -> &'static PostgresServer {
+        static SHARED: OnceLock<PostgresServer> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let server = PostgresServer::start();
+            server.watch();
+            server
+        })
+    }
+
+    /// Creates an empty database of a name no other call of this process takes, and returns
+    /// its URL.
+    pub fn fresh_database(&self) -> String {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let db = format!(
+            "cb_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        self.create_database(&db);
+        self.url_db(&db)
+    }
+
+    /// Polls once a second: the server, and its dir, go at most a second after the test
+    /// process. The loop runs in the background of a shell that exits at once, so it is no
+    /// child of the test left unwaited.
+    fn watch(&self) {
+        let pg_ctl = binary("pg_ctl").unwrap_or_else(|e| panic!("{e}"));
+        let watchdog = format!(
+            "(while kill -0 {test} 2>/dev/null; do sleep 1; done\n\
+              runuser -u {SERVER_USER} -- '{pg_ctl}' stop --pgdata '{data}' --mode immediate\n\
+              rm -rf '{dir}') >/dev/null 2>&1 &",
+            test = std::process::id(),
+            pg_ctl = pg_ctl.display(),
+            data = self.data_dir().display(),
+            dir = self.dir.path().display()
+        );
+        let started = Command::new("sh")
+            .arg("-c")
+            .arg(watchdog)
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .status()
+            .expect("sh for the watchdog");
+        assert!(started.success(), "the watchdog did not start: {started}");
     }
 
     /// A streaming standby of `primary`, taken with `pg_basebackup -R` (it connects to the
