@@ -9,7 +9,11 @@
 //! step's answer, every message as `get` reads it, the depth, the oldest unfinished message
 //! and every payment's status.
 //!
-//! The engines: SQLite, one Redis, and a Redis Cluster of 3 masters and 3 replicas.
+//! The engines: SQLite, one Redis (its leases timed by the caller's clock, so that time jumps
+//! run leases out, and by its own `TIME` as in production, with leases that end as they
+//! start), and a Redis Cluster of 3 masters and 3 replicas. The rules are the model's own
+//! (`store::lifecycle`): what this holds the engines to is that each applies their decisions
+//! faithfully.
 //!
 //! `PROPTEST_CASES` sets how many sequences each engine runs (64 by default). A failure
 //! reports the shortest sequence proptest found that still fails, and its seed is kept in
@@ -28,7 +32,7 @@ use callbackd::inbound::accept::{self as inbound, Callback};
 use callbackd::inbound::dedupe::DEFAULT_FIELDS;
 use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
-use callbackd::store::lifecycle::{self, Lifetimes, Model};
+use callbackd::store::lifecycle::{Lifetimes, Model};
 use callbackd::store::partitions::Partitions;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::SqliteStore;
@@ -115,6 +119,9 @@ enum Op {
     Callback(ProviderCallback),
     Claim {
         limit: usize,
+        /// A lease of 1 ms: any later claim finds it run out (time moves on by at least that
+        /// between steps), while the second call of a claim split in two does not.
+        short_lease: bool,
     },
     /// Completes one of the leases taken so far.
     Complete {
@@ -227,7 +234,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => accept,
         3 => callback,
-        4 => limit.prop_map(|limit| Op::Claim { limit }),
+        4 => (limit, prop::bool::weighted(0.2))
+            .prop_map(|(limit, short_lease)| Op::Claim { limit, short_lease }),
         5 => (pick_lease(), outcome()).prop_map(|(lease, outcome)| Op::Complete { lease, outcome }),
         1 => (pick_lease(), 0..60_000u64).prop_map(|(lease, after_ms)| Op::Release { lease, after_ms }),
         3 => (0..1000usize).prop_map(|message| Op::Resend { message }),
@@ -327,6 +335,9 @@ struct Run<'a> {
     ids: Vec<MessageId>,
     /// Every lease handed out so far.
     leases: Vec<Lease>,
+    /// Leases timed by the store's clock (Redis' `TIME`, as in production): the model's lease
+    /// clock, moved on by each claim. `None`: leases are timed by the caller's `now`.
+    store_clock: Option<Millis>,
 }
 
 impl Run<'_> {
@@ -337,30 +348,32 @@ impl Run<'_> {
         let err = |e: callbackd::store::StoreError| e.to_string();
         match op {
             Op::Accept(_) | Op::Callback(_) => self.accept(op).await?,
-            Op::Claim { limit } if self.ordered_claims => {
-                let want = lifecycle::claim(&mut self.model, now, *limit, LEASE_MS);
+            Op::Claim { limit, short_lease } if self.ordered_claims => {
+                let (lease_now, lease_ms) = self.lease_clock(*short_lease).await;
+                let want = self.model.claim(now, lease_now, *limit, lease_ms);
                 let got = self
                     .store
-                    .claim_due(now, *limit, LEASE_MS)
+                    .claim_due(now, *limit, lease_ms)
                     .await
                     .map_err(err)?;
                 same("claim_due", &got, &want)?;
                 self.leases.extend(got);
             }
-            Op::Claim { limit } => {
+            Op::Claim { limit, short_lease } => {
                 // Across partitions the engine chooses which due messages a small limit takes,
                 // never how many. A second claim at the same moment takes the rest, so that
                 // together they hold the leases the model hands out for everything due.
-                let mut want = lifecycle::claim(&mut self.model, now, MAX_OPS, LEASE_MS);
+                let (lease_now, lease_ms) = self.lease_clock(*short_lease).await;
+                let mut want = self.model.claim(now, lease_now, MAX_OPS, lease_ms);
                 let mut got = self
                     .store
-                    .claim_due(now, *limit, LEASE_MS)
+                    .claim_due(now, *limit, lease_ms)
                     .await
                     .map_err(err)?;
                 same("claim_due count", got.len(), want.len().min(*limit))?;
                 let rest = self
                     .store
-                    .claim_due(now, MAX_OPS, LEASE_MS)
+                    .claim_due(now, MAX_OPS, lease_ms)
                     .await
                     .map_err(err)?;
                 got.extend(rest);
@@ -384,8 +397,9 @@ impl Run<'_> {
                     Outcome::Dead => (Completion::Dead, 410),
                 };
                 let attempt = delivery(lease.attempts + 1, now, status);
-                let want =
-                    lifecycle::complete(&mut self.model, &lease, attempt.clone(), completion, now);
+                let want = self
+                    .model
+                    .complete(&lease, attempt.clone(), completion, now);
                 let got = self
                     .store
                     .complete(&lease, attempt, completion, now)
@@ -398,7 +412,7 @@ impl Run<'_> {
                     return Ok(());
                 };
                 let next_at = now + *after_ms as Millis;
-                let want = lifecycle::release(&mut self.model, &lease, next_at);
+                let want = self.model.release(&lease, next_at);
                 let got = self.store.release(&lease, next_at).await.map_err(err)?;
                 same("release", got, want)?;
             }
@@ -408,7 +422,7 @@ impl Run<'_> {
                 }
                 let id = self.ids[message % self.ids.len()].clone();
                 let fresh = now + 7 * DAY;
-                let want = lifecycle::resend(&mut self.model, &id, resend_mark(now), fresh, now);
+                let want = self.model.resend(&id, resend_mark(now), fresh, now);
                 let got = self
                     .store
                     .resend(&id, resend_mark(now), fresh, now)
@@ -418,7 +432,7 @@ impl Run<'_> {
             }
             Op::Sweep => {
                 // Engines count what went in their own units (keys, rows): not compared.
-                lifecycle::sweep(&mut self.model, now);
+                self.model.sweep(now);
                 self.store.sweep(now).await.map_err(err)?;
             }
             Op::Advance { ms } => self.now += ms,
@@ -431,6 +445,23 @@ impl Run<'_> {
             }
         }
         self.compare().await
+    }
+
+    /// The lease clock of a claim now and its lease's length. On the store's clock, the
+    /// model's moves on by 1 ms per claim and the test waits 2 ms, so that Redis' `TIME`
+    /// orders the claims as the model does (leases that ran out are taken earliest first),
+    /// and a short lease has always run out by the next claim, on both; a full lease never
+    /// runs out within a sequence.
+    async fn lease_clock(&mut self, short_lease: bool) -> (Millis, u64) {
+        let lease_ms = if short_lease { 1 } else { LEASE_MS };
+        match &mut self.store_clock {
+            Some(clock) => {
+                *clock += 1;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                (*clock, lease_ms)
+            }
+            None => (self.now, lease_ms),
+        }
     }
 
     /// Accepts a hand-off or a callback at the current time.
@@ -447,7 +478,7 @@ impl Run<'_> {
         if let Some(seal) = &req.seal {
             self.ends.push((seal.expires_at, op.clone()));
         }
-        let want = lifecycle::accept(&mut self.model, &req, now);
+        let want = self.model.accept(&req, now);
         let got = self
             .store
             .accept(req, now)
@@ -616,18 +647,22 @@ impl Run<'_> {
     }
 }
 
-async fn check(store: &dyn Store, scenario: &Scenario) -> Result<(), String> {
-    let (payments, transactions) = ordering_keys(scenario.spread);
+async fn check(store: &dyn Store, scenario: &Scenario, store_clock: bool) -> Result<(), String> {
+    // On the store's clock, a claim split in two calls could find the first call's short
+    // leases run out: one partition, one call.
+    let spread = scenario.spread && !store_clock;
+    let (payments, transactions) = ordering_keys(spread);
     let mut run = Run {
         store,
         model: Model::new(LIFETIMES),
         now: T0,
         payments,
         transactions,
-        ordered_claims: !scenario.spread,
+        ordered_claims: !spread,
         ends: Vec::new(),
         ids: Vec::new(),
         leases: Vec::new(),
+        store_clock: store_clock.then_some(0),
     };
     for (n, op) in scenario.ops.iter().enumerate() {
         run.step(op)
@@ -664,7 +699,10 @@ fn live(outcome: Outcome) -> Op {
 /// Paths too long to count on chance, run on every engine before the random sequences.
 fn known_sequences() -> Vec<Scenario> {
     use Op::*;
-    let claim = Claim { limit: 100 };
+    let claim = Claim {
+        limit: 100,
+        short_lease: false,
+    };
     let release = |after_ms| Release {
         lease: PickLease {
             live: true,
@@ -696,7 +734,10 @@ fn known_sequences() -> Vec<Scenario> {
             Advance {
                 ms: LEASE_MS as Millis,
             },
-            Claim { limit: 1 },
+            Claim {
+                limit: 1,
+                short_lease: false,
+            },
             Complete {
                 lease: PickLease {
                     live: false,
@@ -744,8 +785,11 @@ fn known_sequences() -> Vec<Scenario> {
 
 enum Engine {
     Sqlite,
-    /// One private server for all the sequences, emptied before each.
+    /// One private server for all the sequences, emptied before each, its leases timed by
+    /// the caller's clock.
     Redis(RedisServer),
+    /// The same, its leases timed by Redis' `TIME`, as in production.
+    RedisClock(RedisServer),
     /// One private cluster of 3 masters and 3 replicas for all the sequences, each under a key
     /// prefix of its own.
     Cluster(RedisCluster),
@@ -756,6 +800,7 @@ impl Engine {
         match self {
             Engine::Sqlite => "SQLite",
             Engine::Redis(_) => "Redis",
+            Engine::RedisClock(_) => "Redis on its own clock",
             Engine::Cluster(_) => "Redis Cluster",
         }
     }
@@ -770,6 +815,14 @@ async fn open(engine: &Engine) -> (Box<dyn Store>, Option<tempfile::TempDir>) {
                 .await
                 .expect("connect to the private redis-server")
                 .with_caller_clock_leases();
+            store.upgrade(T0).await.expect("stamp the layout version");
+            (Box::new(store), None)
+        }
+        Engine::RedisClock(server) => {
+            server.cli(&["FLUSHALL"]);
+            let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+                .await
+                .expect("connect to the private redis-server");
             store.upgrade(T0).await.expect("stamp the layout version");
             (Box::new(store), None)
         }
@@ -788,6 +841,7 @@ async fn open(engine: &Engine) -> (Box<dyn Store>, Option<tempfile::TempDir>) {
 
 fn agrees_with_the_model(engine: Engine) {
     let name = engine.name();
+    let store_clock = matches!(engine, Engine::RedisClock(_));
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -810,7 +864,7 @@ fn agrees_with_the_model(engine: Engine) {
     runtime.block_on(async {
         for scenario in known_sequences() {
             let (store, _dir) = open(&engine).await;
-            if let Err(e) = check(&*store, &scenario).await {
+            if let Err(e) = check(&*store, &scenario, store_clock).await {
                 panic!("{name} disagrees with the lifecycle model: {e}\nin {scenario:#?}");
             }
         }
@@ -818,7 +872,9 @@ fn agrees_with_the_model(engine: Engine) {
     let result = TestRunner::new(config).run(&scenario(), |scenario| {
         runtime.block_on(async {
             let (store, _dir) = open(&engine).await;
-            check(&*store, &scenario).await.map_err(TestCaseError::fail)
+            check(&*store, &scenario, store_clock)
+                .await
+                .map_err(TestCaseError::fail)
         })
     });
     eprintln!(
@@ -838,6 +894,11 @@ fn sqlite_agrees_with_the_model() {
 #[test]
 fn redis_agrees_with_the_model() {
     agrees_with_the_model(Engine::Redis(RedisServer::start()));
+}
+
+#[test]
+fn redis_on_its_own_clock_agrees_with_the_model() {
+    agrees_with_the_model(Engine::RedisClock(RedisServer::start()));
 }
 
 #[test]

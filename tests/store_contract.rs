@@ -3004,6 +3004,8 @@ async fn the_release_fixture_goes_on(s: &dyn Store, v: &str) {
         attempts: 0,
         backoff_step: 0,
         deadline: leased_resent.deadline,
+        resume_at: None,
+        again: false,
     };
     assert!(complete(s, &old_lease, Completion::Delivered, now + 2).await);
     let again = claim_one(s, now + 2, &leased_resent.message.id).await;

@@ -283,6 +283,8 @@ mod tests {
             attempts: 2,
             backoff_step,
             deadline,
+            resume_at: None,
+            again: false,
         }
     }
 

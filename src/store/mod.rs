@@ -416,6 +416,42 @@ pub struct Lease {
     pub backoff_step: u32,
     /// Current deadline (a resend of a finished message opens a fresh window).
     pub deadline: Millis,
+    /// What a resend left when the message was claimed: the time its schedule resumes at,
+    /// and one more attempt after this one. The completion's rule decides from them; a resend
+    /// that comes during the attempt is seen when the completion is applied (the engine's
+    /// guard, `lifecycle::Guard`).
+    pub resume_at: Option<Millis>,
+    pub again: bool,
+}
+
+impl Lease {
+    /// The lease of `message`, just claimed as `snapshot` says.
+    pub fn of(message: NewMessage, snapshot: &lifecycle::Snapshot) -> Lease {
+        Lease {
+            message,
+            token: snapshot.token,
+            attempts: snapshot.attempts,
+            backoff_step: snapshot.backoff_step(),
+            deadline: snapshot.deadline,
+            resume_at: snapshot.resume_at,
+            again: snapshot.again,
+        }
+    }
+
+    /// The message as its claim left it: in flight under this lease.
+    pub fn snapshot(&self) -> lifecycle::Snapshot {
+        lifecycle::Snapshot {
+            state: MessageState::InFlight,
+            token: self.token,
+            attempts: self.attempts,
+            backoff_from: self.attempts.saturating_sub(self.backoff_step),
+            deadline: self.deadline,
+            due_at: None,
+            resume_at: self.resume_at,
+            again: self.again,
+            ends_at: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -7,10 +7,11 @@
 //! remembers what each partition had ([`Hints`]), and counts only the partitions it knows
 //! nothing current about:
 //!
-//! - claim.lua answers with what it left claimable in its partition and, when nothing, when
-//!   its next due entry and its earliest lease come due: a partition just claimed from is
-//!   known without a count;
-//! - a partition with nothing claimable is skipped until one of those moments;
+//! - claim.lua answers with what it left claimable in its partition, and when its next due
+//!   entry and its earliest lease come due: a partition just claimed from is known without a
+//!   count;
+//! - what is known stands until one of those moments (a partition with nothing claimable is
+//!   skipped until then), when a retry or a lease that ran out adds to it;
 //! - a write of this process that may make work claimable there (an accept, a release, a
 //!   resend, a completion that queued a retry or promoted the next message of its key) makes
 //!   the next claim count it; what was known until then stays a lower bound, since this
@@ -48,8 +49,9 @@ pub(super) struct Known {
     pub(super) at: Millis,
     /// Messages claimable then: due entries and expired leases.
     pub(super) claimable: usize,
-    /// With nothing claimable: the earliest entry of `due` (by the caller's clock, as `due`
-    /// is), and the earliest lease's end (by the lease clock); `None` when there is none.
+    /// When that grows by itself: the first entry of `due` not due then (by the caller's
+    /// clock, as `due` is), and the earliest lease's end (by the lease clock); `None` when
+    /// there is none. Until then, `claimable` is exact for this process's own work.
     pub(super) due_at: Option<Millis>,
     pub(super) lease_at: Option<Millis>,
 }
@@ -62,9 +64,9 @@ impl Known {
         if !(0..RECOUNT_MS).contains(&(lease_now - self.at)) {
             return false;
         }
-        self.claimable > 0
-            || (self.due_at.is_none_or(|at| now < at)
-                && self.lease_at.is_none_or(|at| lease_now < at))
+        // A retry that came due or a lease that ran out since makes the count short: the
+        // claim would take less than is there.
+        self.due_at.is_none_or(|at| now < at) && self.lease_at.is_none_or(|at| lease_now < at)
     }
 }
 
@@ -218,7 +220,8 @@ pub(super) async fn claim(
                 .arg(quota)
                 .arg(lease_ms)
                 .arg(keys.prefix())
-                .arg(if store.store_clock_leases { "1" } else { "0" });
+                .arg(if store.store_clock_leases { "1" } else { "0" })
+                .arg(MessageState::InFlight.as_str());
             one_call(call)
         })
         .collect();
@@ -253,8 +256,8 @@ pub(super) async fn claim(
     }
 }
 
-/// claim.lua's reply: the leased rows, what it left claimable, and with nothing left, when the
-/// next due entry and the earliest lease come due.
+/// claim.lua's reply: the leased rows, what it left claimable, when the next due entry and
+/// the earliest lease come due.
 type ClaimReply = (Vec<Value>, usize, Option<Millis>, Option<Millis>);
 
 /// The clock leases are judged by: Redis' (`TIME`), or the caller's in tests. On a cluster,
@@ -270,8 +273,7 @@ async fn lease_clock(store: &RedisStore, now: Millis) -> Result<Millis, StoreErr
 }
 
 /// Counts what each of `asked` could hand out at `now`: due entries plus expired leases
-/// (which claim.lua makes due again first), and when those are none, when the next of each
-/// comes. Returns a failure, if any partition's count failed (it then counts as having
+/// (which claim.lua makes due again first), and when the next of each comes. Returns a failure, if any partition's count failed (it then counts as having
 /// nothing, and is counted again at the next claim).
 async fn count(
     store: &RedisStore,
@@ -286,7 +288,7 @@ async fn count(
             let mut pipe = redis::pipe();
             pipe.zcount(keys.due(), "-inf", now)
                 .zcount(keys.lease(), "-inf", lease_now)
-                .zrange_withscores(keys.due(), 0, 0)
+                .zrangebyscore_limit_withscores(keys.due(), format!("({now}"), "+inf", 0, 1)
                 .zrange_withscores(keys.lease(), 0, 0);
             pipe
         })
@@ -315,7 +317,7 @@ async fn count(
     failure
 }
 
-/// The score of `ZRANGE key 0 0 WITHSCORES`: a flat `[member, score]` (RESP2) or
+/// The score of a one-entry range `WITHSCORES`: a flat `[member, score]` (RESP2) or
 /// `[[member, score]]` (RESP3).
 fn head_score(reply: Value) -> Result<Option<Millis>, StoreError> {
     let Value::Array(mut items) = reply else {
@@ -332,9 +334,17 @@ fn head_score(reply: Value) -> Result<Option<Millis>, StoreError> {
 }
 
 /// One row of claim.lua's reply: record, lease token, tries, `rb`, deadline (empty: the
-/// record's).
+/// record's), `resume` and `again` (0: none).
 fn decode_lease(row: Value) -> Result<Lease, StoreError> {
-    let (rec, token, tries, rb, deadline): (String, u64, u32, u32, String) = decode(row)?;
+    let (rec, token, tries, rb, deadline, resume, again): (
+        String,
+        u64,
+        u32,
+        u32,
+        String,
+        Millis,
+        u8,
+    ) = decode(row)?;
     let message = decode_message(&rec)?;
     Ok(Lease {
         deadline: deadline.parse().unwrap_or(message.deadline),
@@ -342,6 +352,8 @@ fn decode_lease(row: Value) -> Result<Lease, StoreError> {
         token,
         attempts: tries,
         backoff_step: tries.saturating_sub(rb),
+        resume_at: (resume != 0).then_some(resume),
+        again: again == 1,
     })
 }
 

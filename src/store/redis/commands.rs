@@ -1,20 +1,25 @@
-//! The state changes: each builds the call of its Lua script (`lua/`, whose header lists the
-//! `KEYS` and `ARGV` in the order given here) and decodes the reply. Resend operations are
-//! plain commands: they belong to no message.
+//! The state changes: each applies what its `store::lifecycle` rule decides, an accept in
+//! one call of accept.lua, the rest through `apply.rs` (each script's header lists its `KEYS`
+//! and `ARGV` in the order given here). Resend operations are plain commands: they belong to
+//! no message.
 
 use redis::{Cmd, Pipeline};
 
+use super::apply::{self, Applied};
 use super::connection::Sent;
 use super::keys;
-use super::{RedisStore, corrupt, one_call, reads, script_call, to_json};
+use super::{RedisStore, corrupt, one_call, script_call, to_json};
 use crate::clock::Millis;
 use crate::store::ids::claim_tail;
+use crate::store::lifecycle::{self, Effect, QueueMove, Snapshot};
 use crate::store::{
-    ANSWER_BODY_ROWS, AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL,
-    HistoryEntry, Lease, MessageId, MessageState, OperationReservation, ResendEffect, ResendMark,
-    SWEEP_LIMIT, StoreError, decode_operation, encode_finished_operation, encode_running_operation,
+    AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HistoryEntry, Lease, MessageId,
+    OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT, StoreError, decode_operation,
+    encode_finished_operation, encode_running_operation,
 };
 
+/// Applies store::lifecycle::accept in one call of accept.lua, fed the plan the rule makes
+/// for recording (the script checks the claim, seal and payment as the rule does).
 pub(super) async fn accept(
     store: &RedisStore,
     req: &AcceptRequest,
@@ -22,14 +27,11 @@ pub(super) async fn accept(
 ) -> Result<AcceptOutcome, StoreError> {
     let msg = &req.message;
     let keys = store.keys.of_id(&msg.id);
-    let initial = if msg.target_url.is_some() {
-        MessageState::Pending
-    } else {
-        MessageState::Recorded
-    };
+    let plan = lifecycle::accept_plan(req, now, store.lifetimes());
+    let first = plan.message.state;
     // Without a payment or a seal the script still gets a key (one that is never written), so
     // the KEYS keep their positions.
-    let (payment_key, to, allowed) = match &req.payment {
+    let (payment_key, to, allowed) = match lifecycle::transition(req) {
         Some(p) => (
             keys.payment(&p.payment_id),
             p.to.clone(),
@@ -37,9 +39,14 @@ pub(super) async fn accept(
         ),
         None => (keys.payment(""), String::new(), String::new()),
     };
+    let payment_ends = plan.payment.as_ref().map(|(_, ends)| *ends).unwrap_or(now);
     let (seal_key, seal_until) = match &req.seal {
         Some(seal) => (keys.seal(&seal.key), seal.expires_at.to_string()),
         None => (keys.seal(""), String::new()),
+    };
+    let due_if_head = match plan.queue {
+        QueueMove::Join { due_if_head } => due_if_head.to_string(),
+        QueueMove::Stay | QueueMove::Leave { .. } => String::new(),
     };
     let script = &store.scripts.accept;
     let mut call = script_call(
@@ -49,32 +56,39 @@ pub(super) async fn accept(
             keys.message(&msg.id),
             keys.queue(&msg.ordering_key),
             keys.due(),
-            keys.index(initial),
+            keys.index(first),
             keys.index_of_key(&msg.ordering_key),
             payment_key,
             keys.buckets(),
             seal_key,
         ],
     );
-    call.arg(req.dedupe.ttl_secs)
+    call.arg(plan.claim_ends)
         .arg(&req.dedupe.fingerprint)
         .arg(stored_response(&req.dedupe.response))
         .arg(msg.id.as_str())
         .arg(to_json(msg)?)
         .arg(now)
-        .arg(initial.as_str())
+        .arg(first.as_str())
         .arg(to)
         .arg(allowed)
-        .arg(store.payment_retention_secs)
-        .arg(store.retention_secs)
+        .arg(payment_ends)
+        .arg(
+            plan.message
+                .ends_at
+                .map(|at| at.to_string())
+                .unwrap_or_default(),
+        )
         .arg(seal_until)
         .arg(keys::key_hash(&msg.ordering_key))
         .arg(claim_tail(msg.id.partition(), &req.dedupe.key))
-        .arg(compact_claim(req, now).unwrap_or_default());
+        .arg(compact_claim(req, now).unwrap_or_default())
+        .arg(&due_if_head)
+        .arg(lifecycle::UNSEEN_PAYMENT);
     let reply: Vec<String> = store.eval(script, &call).await?;
     match reply.as_slice() {
         [ok] if ok == "ok" => {
-            if initial == MessageState::Pending {
+            if !due_if_head.is_empty() {
                 store.hints.wrote(msg.id.partition());
             }
             Ok(AcceptOutcome::Accepted)
@@ -91,6 +105,43 @@ pub(super) async fn accept(
     }
 }
 
+/// Applies `decide`'s effect to message `id` of `ordering_key`, deciding first from `first`
+/// (what the caller knows) and, whenever the guard finds the message changed, again from what
+/// a fresh read finds. `None` from `decide`: the rule changes nothing.
+async fn decide_and_apply<T>(
+    store: &RedisStore,
+    id: &MessageId,
+    ordering_key: &str,
+    first: Option<Snapshot>,
+    now: Millis,
+    decide: impl Fn(Option<&Snapshot>) -> (T, Option<Effect>),
+) -> Result<T, StoreError> {
+    let mut snapshot = match first {
+        Some(known) => Some(known),
+        None => apply::read(store, id).await?.map(|(_, s)| s),
+    };
+    for _ in 0..apply::DECISIONS {
+        let (answer, effect) = decide(snapshot.as_ref());
+        let Some(effect) = effect else {
+            return Ok(answer);
+        };
+        match apply::apply(store, id, ordering_key, &effect, now).await? {
+            Applied::Done { made_due } => {
+                if made_due {
+                    store.hints.wrote(id.partition());
+                }
+                return Ok(answer);
+            }
+            Applied::Stale => snapshot = apply::read(store, id).await?.map(|(_, s)| s),
+        }
+    }
+    Err(StoreError::Unavailable(format!(
+        "message {id} changed under each of {} attempts to apply a decision; try again",
+        apply::DECISIONS
+    )))
+}
+
+/// Applies store::lifecycle::complete, decided from what the claim read (the lease).
 pub(super) async fn complete(
     store: &RedisStore,
     claimed: &Lease,
@@ -98,73 +149,46 @@ pub(super) async fn complete(
     completion: Completion,
     now: Millis,
 ) -> Result<bool, StoreError> {
-    let id = &claimed.message.id;
-    let keys = store.keys.of_id(id);
-    let (outcome, next_at, final_state) = match completion {
-        Completion::Delivered => ("delivered", now, MessageState::Delivered),
-        Completion::Retry { next_at } => ("retry", next_at, MessageState::Dead),
-        Completion::Dead => ("dead", now, MessageState::Dead),
-    };
-    let script = &store.scripts.complete;
-    let mut call = script_call(
-        script,
-        &[
-            keys.message(id),
-            keys.attempts(id),
-            keys.lease(),
-            keys.due(),
-            keys.queue(&claimed.message.ordering_key),
-            keys.index(MessageState::InFlight),
-            keys.index(MessageState::Pending),
-            keys.index(final_state),
-            keys.buckets(),
-        ],
-    );
-    call.arg(id.as_str())
-        .arg(claimed.token)
-        .arg(outcome)
-        .arg(to_json(&HistoryEntry::Delivery(attempt))?)
-        .arg(next_at)
-        .arg(now)
-        .arg(store.retention_secs)
-        .arg(HISTORY_TAIL)
-        .arg(ANSWER_BODY_ROWS);
-    // 2: applied, and something of the partition was made due (a retry, a resend's attempt,
-    // the next message of the key)
-    let done: i64 = store.eval(script, &call).await?;
-    if done == 2 {
-        store.hints.wrote(id.partition());
-    }
-    Ok(done > 0)
+    let lifetimes = store.lifetimes();
+    let row = HistoryEntry::Delivery(attempt);
+    decide_and_apply(
+        store,
+        &claimed.message.id,
+        &claimed.message.ordering_key,
+        Some(claimed.snapshot()),
+        now,
+        |snapshot| {
+            let effect = snapshot.and_then(|s| {
+                lifecycle::complete(s, claimed.token, row.clone(), completion, now, lifetimes)
+            });
+            (effect.is_some(), effect)
+        },
+    )
+    .await
 }
 
+/// Applies store::lifecycle::release, decided from the lease.
 pub(super) async fn release(
     store: &RedisStore,
     claimed: &Lease,
     next_at: Millis,
 ) -> Result<bool, StoreError> {
-    let id = &claimed.message.id;
-    let keys = store.keys.of_id(id);
-    let script = &store.scripts.release;
-    let mut call = script_call(
-        script,
-        &[
-            keys.message(id),
-            keys.lease(),
-            keys.due(),
-            keys.index(MessageState::InFlight),
-            keys.index(MessageState::Pending),
-        ],
-    );
-    call.arg(id.as_str()).arg(claimed.token).arg(next_at);
-    // 1 when it applied, 0 when the lease was lost
-    let done: i64 = store.eval(script, &call).await?;
-    if done == 1 {
-        store.hints.wrote(id.partition());
-    }
-    Ok(done == 1)
+    decide_and_apply(
+        store,
+        &claimed.message.id,
+        &claimed.message.ordering_key,
+        Some(claimed.snapshot()),
+        // a release ends nothing: no expiry bucket is written
+        next_at,
+        |snapshot| {
+            let effect = snapshot.and_then(|s| lifecycle::release(s, claimed.token, next_at));
+            (effect.is_some(), effect)
+        },
+    )
+    .await
 }
 
+/// Applies store::lifecycle::resend to what a read finds.
 pub(super) async fn resend(
     store: &RedisStore,
     id: &MessageId,
@@ -173,38 +197,18 @@ pub(super) async fn resend(
     now: Millis,
 ) -> Result<ResendEffect, StoreError> {
     // The ordering queue is named by the key, which only the record knows.
-    let Some(ordering_key) = reads::ordering_key_of(store, id).await? else {
+    let Some((message, snapshot)) = apply::read(store, id).await? else {
         return Ok(ResendEffect::Skipped);
     };
-    let keys = store.keys.of_id(id);
-    let script = &store.scripts.resend;
-    let mut call = script_call(
-        script,
-        &[
-            keys.message(id),
-            keys.attempts(id),
-            keys.due(),
-            keys.queue(&ordering_key),
-            keys.index(MessageState::Pending),
-            keys.index(MessageState::Delivered),
-            keys.index(MessageState::Dead),
-        ],
-    );
-    call.arg(id.as_str())
-        .arg(to_json(&HistoryEntry::Resend(mark))?)
-        .arg(fresh_deadline)
-        .arg(now)
-        .arg(HISTORY_TAIL)
-        .arg(ANSWER_BODY_ROWS);
-    let effect: String = store.eval(script, &call).await?;
-    store.hints.wrote(id.partition());
-    Ok(match effect.as_str() {
-        "requeued" => ResendEffect::Requeued,
-        "expedited" => ResendEffect::Expedited,
-        "queued" => ResendEffect::Queued,
-        "after_current" => ResendEffect::AfterCurrent,
-        _ => ResendEffect::Skipped,
-    })
+    decide_and_apply(
+        store,
+        id,
+        &message.ordering_key,
+        Some(snapshot),
+        now,
+        |snapshot| lifecycle::resend(snapshot, mark.clone(), fresh_deadline, now),
+    )
+    .await
 }
 
 pub(super) async fn reserve_operation(

@@ -34,6 +34,7 @@
 //! `reads.rs` answers the reads; both go through the round trips defined here, over the
 //! connection of `connection.rs` (one server or a cluster: neither needs to know which).
 
+mod apply;
 mod claim;
 mod commands;
 mod connection;
@@ -194,6 +195,15 @@ impl RedisStore {
         store.keys = KeySpace::new(&options.key_prefix, partitions);
         store.hints = Hints::new(usize::from(partitions.count()));
         Ok(store)
+    }
+
+    /// The lifetimes the rules give what has nothing left to do.
+    fn lifetimes(&self) -> crate::store::lifecycle::Lifetimes {
+        let ms = |secs: u64| i64::try_from(secs.saturating_mul(1000)).unwrap_or(i64::MAX);
+        crate::store::lifecycle::Lifetimes {
+            retention_ms: ms(self.retention_secs),
+            payment_retention_ms: ms(self.payment_retention_secs),
+        }
     }
 
     /// How long a payment's status outlives its last transition (at least the retention).

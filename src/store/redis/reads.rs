@@ -223,18 +223,6 @@ fn record(
     }))
 }
 
-/// The ordering key of a message, `None` when it is gone.
-pub(super) async fn ordering_key_of(
-    store: &RedisStore,
-    id: &MessageId,
-) -> Result<Option<String>, StoreError> {
-    let rec: Option<String> = store
-        .send(&Cmd::hget(store.keys.of_id(id).message(id), "rec"))
-        .await?;
-    rec.map(|r| decode_message(&r).map(|m| m.ordering_key))
-        .transpose()
-}
-
 pub(super) async fn payment_status(
     store: &RedisStore,
     payment_id: &str,

@@ -9,9 +9,8 @@ use redis::{Cmd, Script};
 pub(super) struct Scripts {
     pub(super) accept: LuaScript,
     pub(super) claim: LuaScript,
-    pub(super) complete: LuaScript,
-    pub(super) release: LuaScript,
-    pub(super) resend: LuaScript,
+    /// Writes one lifecycle effect to a message (`apply.rs`).
+    pub(super) apply: LuaScript,
     pub(super) sweep: LuaScript,
     /// Writes nothing, but is flagged as a script that may: Redis refuses it exactly when it
     /// would refuse a growing write, so `ping` learns the store is full without writing.
@@ -51,7 +50,7 @@ impl LuaScript {
 /// The first line of a script that grows memory. A script with this line is *flagged*: with
 /// no `allow-oom`, a Redis at `maxmemory` refuses it whole before it runs. A script without
 /// flags is checked only until its first write, and one that starts with a write Redis allows
-/// at OOM (`complete.lua`'s `ZREM`) would go on to grow memory past the limit.
+/// at OOM (`apply.lua`'s `ZREM`) would go on to grow memory past the limit.
 macro_rules! grows {
     ($($part:literal),+ $(,)?) => { concat!("#!lua\n", $(include_str!($part)),+) };
 }
@@ -61,13 +60,7 @@ impl Scripts {
         Scripts {
             accept: LuaScript::new(grows!("lua/expiry.lua", "lua/accept.lua")),
             claim: LuaScript::new(grows!("lua/claim.lua")),
-            complete: LuaScript::new(grows!(
-                "lua/history.lua",
-                "lua/expiry.lua",
-                "lua/complete.lua"
-            )),
-            release: LuaScript::new(grows!("lua/release.lua")),
-            resend: LuaScript::new(grows!("lua/history.lua", "lua/resend.lua")),
+            apply: LuaScript::new(grows!("lua/history.lua", "lua/expiry.lua", "lua/apply.lua")),
             // Only deletes: it must run at OOM too, since it is what frees memory.
             sweep: LuaScript::new(concat!(
                 "#!lua flags=allow-oom\n",

@@ -1,45 +1,155 @@
 //! The lifecycle transactions after accept: lease, finish, give back, resend, sweep; and the
 //! resend operations' reservations. Each runs inside the writer's transaction, in a savepoint
-//! of its own, and names the lifecycle rule it implements.
+//! of its own: it reads the message, asks its `store::lifecycle` rule, and applies the
+//! effect, so the transaction holds what the rule read.
 
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::error::{Db, corrupt};
 use super::{secs_to_ms, wall_clock_ms};
 use crate::clock::Millis;
+use crate::store::lifecycle::{self, Effect, Lifetimes, QueueMove, Snapshot};
 use crate::store::{
     ANSWER_BODY_ROWS, Completion, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage,
-    OperationReservation, ResendEffect, SWEEP_LIMIT, StoreError, decode_operation,
+    OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT, StoreError, decode_operation,
     encode_finished_operation, encode_running_operation,
 };
 
-/// Appends a message to its ordering queue; alone there, it is the head and due at `now`.
-pub(super) fn push_to_queue(
+/// Applies a queue move of message `id` of `ordering_key` (the rule decided the times).
+fn move_in_queue(
     conn: &Connection,
     ordering_key: &str,
     id: &str,
-    now: Millis,
+    queue: QueueMove,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached("INSERT INTO queue (ordering_key, id) VALUES (?1, ?2)")
-        .db()?
-        .execute(params![ordering_key, id])
-        .db()?;
-    let others: bool = conn
-        .prepare_cached("SELECT EXISTS (SELECT 1 FROM queue WHERE ordering_key = ?1 AND id <> ?2)")
-        .db()?
-        .query_row(params![ordering_key, id], |r| r.get(0))
-        .db()?;
-    if !others {
-        conn.prepare_cached("UPDATE messages SET due_at = ?2 WHERE id = ?1")
+    match queue {
+        QueueMove::Stay => Ok(()),
+        QueueMove::Join { due_if_head } => {
+            conn.prepare_cached("INSERT INTO queue (ordering_key, id) VALUES (?1, ?2)")
+                .db()?
+                .execute(params![ordering_key, id])
+                .db()?;
+            conn.prepare_cached(
+                "UPDATE messages SET due_at = ?2 WHERE id = ?1 AND NOT EXISTS \
+                 (SELECT 1 FROM queue WHERE ordering_key = ?3 AND id <> ?1)",
+            )
             .db()?
-            .execute(params![id, now])
+            .execute(params![id, due_if_head, ordering_key])
             .db()?;
+            Ok(())
+        }
+        QueueMove::Leave { next_due_at } => {
+            conn.prepare_cached("DELETE FROM queue WHERE id = ?1")
+                .db()?
+                .execute(params![id])
+                .db()?;
+            conn.prepare_cached(
+                "UPDATE messages SET due_at = ?2 WHERE id = \
+                 (SELECT id FROM queue WHERE ordering_key = ?1 ORDER BY position LIMIT 1)",
+            )
+            .db()?
+            .execute(params![ordering_key, next_due_at])
+            .db()?;
+            Ok(())
+        }
     }
-    Ok(())
 }
 
-/// Implements store::lifecycle::expire_lease, then store::lifecycle::claim
-/// (src/store/lifecycle.rs).
+/// A message's row as the rules read it, with what applying an effect needs besides.
+struct Row {
+    snapshot: Snapshot,
+    lease_until: Option<Millis>,
+    ordering_key: String,
+}
+
+fn read_row(conn: &Connection, id: &str) -> Result<Option<Row>, StoreError> {
+    conn.prepare_cached(
+        "SELECT state, lease_token, delivery_attempts, attempts_before_requeue, deadline, \
+         due_at, resume_at, deliver_again, expires_at, lease_until, ordering_key \
+         FROM messages WHERE id = ?1",
+    )
+    .db()?
+    .query_row(params![id], |r| {
+        let state: String = r.get(0)?;
+        // SQLite integers are signed; tokens start at 1 and only grow.
+        let token: i64 = r.get(1)?;
+        let resume_at: Millis = r.get(6)?;
+        Ok((
+            state,
+            token,
+            Row {
+                snapshot: Snapshot {
+                    state: MessageState::Pending,
+                    token: 0,
+                    attempts: r.get(2)?,
+                    backoff_from: r.get(3)?,
+                    deadline: r.get(4)?,
+                    due_at: r.get(5)?,
+                    // 0 is none (schema.sql)
+                    resume_at: (resume_at != 0).then_some(resume_at),
+                    again: r.get(7)?,
+                    ends_at: r.get(8)?,
+                },
+                lease_until: r.get(9)?,
+                ordering_key: r.get(10)?,
+            },
+        ))
+    })
+    .optional()
+    .db()?
+    .map(|(state, token, mut row)| {
+        row.snapshot.state = MessageState::parse(&state)
+            .ok_or_else(|| corrupt(format!("message {id} has state `{state}`")))?;
+        row.snapshot.token = u64::try_from(token).map_err(corrupt)?;
+        Ok(row)
+    })
+    .transpose()
+}
+
+/// Writes `effect` to message `id`, read as `row` in this same transaction: its changes, its
+/// history row, its move in its queue.
+fn apply(conn: &Connection, id: &str, row: &Row, effect: Effect) -> Result<(), StoreError> {
+    let after = effect.changes.applied_to(&row.snapshot);
+    let lease_until = effect.changes.lease_until.unwrap_or(row.lease_until);
+    conn.prepare_cached(
+        "UPDATE messages SET state = ?2, lease_token = ?3, delivery_attempts = ?4, \
+         attempts_before_requeue = ?5, deadline = ?6, due_at = ?7, lease_until = ?8, \
+         resume_at = ?9, deliver_again = ?10, expires_at = ?11 WHERE id = ?1",
+    )
+    .db()?
+    .execute(params![
+        id,
+        after.state.as_str(),
+        i64::try_from(after.token).map_err(corrupt)?,
+        after.attempts,
+        after.backoff_from,
+        after.deadline,
+        after.due_at,
+        lease_until,
+        after.resume_at.unwrap_or(0),
+        after.again,
+        after.ends_at,
+    ])
+    .db()?;
+    if let Some(history) = &effect.history {
+        record_history(conn, id, &serde_json::to_string(history).map_err(corrupt)?)?;
+    }
+    move_in_queue(conn, &row.ordering_key, id, effect.queue)
+}
+
+/// The accept's queue move (store::lifecycle::accept): the only effect applied to a row just
+/// inserted.
+pub(super) fn join_queue(
+    conn: &Connection,
+    ordering_key: &str,
+    id: &str,
+    queue: QueueMove,
+) -> Result<(), StoreError> {
+    move_in_queue(conn, ordering_key, id, queue)
+}
+
+/// Applies store::lifecycle::expire_lease, then store::lifecycle::claim, to the messages the
+/// rules' order picks: leases run out by `now`, then due by `now`, earliest first.
 pub(super) fn claim(
     conn: &Connection,
     now: Millis,
@@ -48,98 +158,43 @@ pub(super) fn claim(
 ) -> Result<Vec<Lease>, StoreError> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let lease_until = now.saturating_add(i64::try_from(lease_ms).unwrap_or(i64::MAX));
-    // Expired leases (their worker died) are due again, now. They stay `in_flight` until
-    // re-leased: the old worker may still finish them with its token, as on Redis.
-    conn.prepare_cached(
-        "UPDATE messages SET due_at = ?1, lease_until = NULL WHERE id IN \
-         (SELECT id FROM messages WHERE lease_until <= ?1 ORDER BY lease_until LIMIT ?2)",
-    )
-    .db()?
-    .execute(params![now, limit])
-    .db()?;
-    let rows: Vec<(String, String, u32, u32, Millis, i64)> = conn
+    let expired: Vec<String> = conn
         .prepare_cached(
-            "SELECT id, message_json, delivery_attempts, attempts_before_requeue, deadline, \
-             lease_token FROM messages WHERE due_at <= ?1 ORDER BY due_at, id LIMIT ?2",
+            "SELECT id FROM messages WHERE lease_until <= ?1 ORDER BY lease_until, id LIMIT ?2",
         )
         .db()?
-        .query_map(params![now, limit], |r| {
-            Ok((
-                r.get(0)?,
-                r.get(1)?,
-                r.get(2)?,
-                r.get(3)?,
-                r.get(4)?,
-                r.get(5)?,
-            ))
-        })
+        .query_map(params![now, limit], |r| r.get(0))
         .db()?
         .collect::<rusqlite::Result<_>>()
         .db()?;
-    let mut lease = conn
+    for id in &expired {
+        if let Some(row) = read_row(conn, id)? {
+            let effect = lifecycle::expire_lease(&row.snapshot, now);
+            apply(conn, id, &row, effect)?;
+        }
+    }
+    let due: Vec<(String, String)> = conn
         .prepare_cached(
-            "UPDATE messages SET lease_token = ?2, state = 'in_flight', due_at = NULL, \
-             lease_until = ?3 WHERE id = ?1",
+            "SELECT id, message_json FROM messages WHERE due_at <= ?1 \
+             ORDER BY due_at, id LIMIT ?2",
         )
+        .db()?
+        .query_map(params![now, limit], |r| Ok((r.get(0)?, r.get(1)?)))
+        .db()?
+        .collect::<rusqlite::Result<_>>()
         .db()?;
-    let mut leases = Vec::with_capacity(rows.len());
-    for (id, message_json, attempts, attempts_before_requeue, deadline, token) in rows {
-        let token = token.saturating_add(1);
-        lease.execute(params![id, token, lease_until]).db()?;
+    let mut leases = Vec::with_capacity(due.len());
+    for (id, message_json) in due {
+        let Some(row) = read_row(conn, &id)? else {
+            continue;
+        };
+        let effect = lifecycle::claim(&row.snapshot, lease_until);
+        let leased = effect.changes.applied_to(&row.snapshot);
+        apply(conn, &id, &row, effect)?;
         let message: NewMessage = serde_json::from_str(&message_json).map_err(corrupt)?;
-        leases.push(Lease {
-            message,
-            token: u64::try_from(token).map_err(corrupt)?,
-            attempts,
-            backoff_step: attempts.saturating_sub(attempts_before_requeue),
-            deadline,
-        });
+        leases.push(Lease::of(message, &leased));
     }
     Ok(leases)
-}
-
-/// The mutable state `complete`, `release` and `resend` look at.
-struct Current {
-    state: String,
-    /// SQLite integers are signed; tokens start at 1 and only grow.
-    lease_token: i64,
-    resume_at: Millis,
-    deliver_again: bool,
-    delivery_attempts: i64,
-    due_at: Option<Millis>,
-    ordering_key: String,
-    /// When a finished message's retention ends; `None` while it is unfinished.
-    expires_at: Option<Millis>,
-}
-
-fn current(conn: &Connection, id: &str) -> Result<Option<Current>, StoreError> {
-    conn.prepare_cached(
-        "SELECT state, lease_token, resume_at, deliver_again, delivery_attempts, due_at, \
-         ordering_key, expires_at FROM messages WHERE id = ?1",
-    )
-    .db()?
-    .query_row(params![id], |r| {
-        Ok(Current {
-            state: r.get(0)?,
-            lease_token: r.get(1)?,
-            resume_at: r.get(2)?,
-            deliver_again: r.get(3)?,
-            delivery_attempts: r.get(4)?,
-            due_at: r.get(5)?,
-            ordering_key: r.get(6)?,
-            expires_at: r.get(7)?,
-        })
-    })
-    .optional()
-    .db()
-}
-
-/// The message, if it is in flight under `lease`'s token.
-fn leased(conn: &Connection, lease: &Lease) -> Result<Option<Current>, StoreError> {
-    Ok(current(conn, lease.message.id.as_str())?.filter(|cur| {
-        cur.state == MessageState::InFlight.as_str()
-            && u64::try_from(cur.lease_token).ok() == Some(lease.token)
-    }))
 }
 
 /// Appends a history row, keeping the first row and the latest [`HISTORY_TAIL`]; the row that
@@ -193,154 +248,63 @@ fn drop_older_answer_body(conn: &Connection, id: &str) -> Result<(), StoreError>
         .map(|_| ())
 }
 
-/// Implements store::lifecycle::complete (src/store/lifecycle.rs).
+/// Applies store::lifecycle::complete.
 pub(super) fn complete(
     conn: &Connection,
     lease: &Lease,
-    attempt_json: &str,
+    attempt: HistoryEntry,
     completion: Completion,
     now: Millis,
-    retention_ms: i64,
+    lifetimes: Lifetimes,
 ) -> Result<bool, StoreError> {
     let id = lease.message.id.as_str();
-    let Some(cur) = leased(conn, lease)? else {
+    let Some(row) = read_row(conn, id)? else {
         return Ok(false);
     };
-    record_history(conn, id, attempt_json)?;
-    let stays_queued = match completion {
-        // An operator's resend brought this attempt forward: the automatic schedule resumes
-        // where it was, neither shortened nor pushed back (unless that time has passed).
-        Completion::Retry { .. } if cur.resume_at != 0 && cur.resume_at >= now => {
-            Some(cur.resume_at)
-        }
-        Completion::Retry { next_at } => Some(next_at),
-        // A resend arrived while this attempt was in flight: deliver once more, now, even if
-        // this attempt ended the message (the resend gave it a fresh window).
-        Completion::Delivered | Completion::Dead if cur.deliver_again => Some(now),
-        Completion::Delivered | Completion::Dead => None,
-    };
-    if let Some(next_at) = stays_queued {
-        conn.prepare_cached(
-            "UPDATE messages SET delivery_attempts = delivery_attempts + 1, state = 'pending', \
-             resume_at = 0, deliver_again = 0, due_at = ?2, lease_until = NULL WHERE id = ?1",
-        )
-        .db()?
-        .execute(params![id, next_at])
-        .db()?;
-        return Ok(true);
+    match lifecycle::complete(
+        &row.snapshot,
+        lease.token,
+        attempt,
+        completion,
+        now,
+        lifetimes,
+    ) {
+        Some(effect) => apply(conn, id, &row, effect).map(|()| true),
+        None => Ok(false),
     }
-    let state = match completion {
-        Completion::Dead => MessageState::Dead,
-        _ => MessageState::Delivered,
-    };
-    conn.prepare_cached(
-        "UPDATE messages SET delivery_attempts = delivery_attempts + 1, state = ?2, \
-         resume_at = 0, deliver_again = 0, due_at = NULL, lease_until = NULL, \
-         expires_at = ?3 WHERE id = ?1",
-    )
-    .db()?
-    .execute(params![
-        id,
-        state.as_str(),
-        now.saturating_add(retention_ms)
-    ])
-    .db()?;
-    conn.prepare_cached("DELETE FROM queue WHERE id = ?1")
-        .db()?
-        .execute(params![id])
-        .db()?;
-    // The next message of the same key becomes the head, due now.
-    conn.prepare_cached(
-        "UPDATE messages SET due_at = ?2 WHERE id = \
-         (SELECT id FROM queue WHERE ordering_key = ?1 ORDER BY position LIMIT 1)",
-    )
-    .db()?
-    .execute(params![cur.ordering_key, now])
-    .db()?;
-    Ok(true)
 }
 
-/// Implements store::lifecycle::release (src/store/lifecycle.rs).
+/// Applies store::lifecycle::release.
 pub(super) fn release(
     conn: &Connection,
     lease: &Lease,
     next_at: Millis,
 ) -> Result<bool, StoreError> {
-    if leased(conn, lease)?.is_none() {
+    let id = lease.message.id.as_str();
+    let Some(row) = read_row(conn, id)? else {
         return Ok(false);
+    };
+    match lifecycle::release(&row.snapshot, lease.token, next_at) {
+        Some(effect) => apply(conn, id, &row, effect).map(|()| true),
+        None => Ok(false),
     }
-    conn.prepare_cached(
-        "UPDATE messages SET state = 'pending', due_at = ?2, lease_until = NULL WHERE id = ?1",
-    )
-    .db()?
-    .execute(params![lease.message.id.as_str(), next_at])
-    .db()?;
-    Ok(true)
 }
 
-/// Implements store::lifecycle::resend (src/store/lifecycle.rs).
+/// Applies store::lifecycle::resend.
 pub(super) fn resend(
     conn: &Connection,
     id: &str,
-    mark_json: &str,
+    mark: ResendMark,
     fresh_deadline: Millis,
     now: Millis,
 ) -> Result<ResendEffect, StoreError> {
-    let Some(cur) = current(conn, id)? else {
-        return Ok(ResendEffect::Skipped);
-    };
-    let state = MessageState::parse(&cur.state)
-        .ok_or_else(|| corrupt(format!("message {id} has state `{}`", cur.state)))?;
-    // A finished message whose retention ended is gone, swept or not.
-    let ended = cur.expires_at.is_some_and(|end| end <= now);
-    if state == MessageState::Recorded || ended {
-        return Ok(ResendEffect::Skipped);
+    let row = read_row(conn, id)?;
+    let snapshot = row.as_ref().map(|r| r.snapshot);
+    let (outcome, effect) = lifecycle::resend(snapshot.as_ref(), mark, fresh_deadline, now);
+    if let (Some(row), Some(effect)) = (&row, effect) {
+        apply(conn, id, row, effect)?;
     }
-    record_history(conn, id, mark_json)?;
-    match state {
-        MessageState::Delivered | MessageState::Dead => {
-            // A fresh window, and the backoff starts over from the attempts made so far.
-            conn.prepare_cached(
-                "UPDATE messages SET state = 'pending', deadline = ?2, \
-                 attempts_before_requeue = ?3, expires_at = NULL WHERE id = ?1",
-            )
-            .db()?
-            .execute(params![id, fresh_deadline, cur.delivery_attempts])
-            .db()?;
-            push_to_queue(conn, &cur.ordering_key, id, now)?;
-            Ok(ResendEffect::Requeued)
-        }
-        MessageState::Pending => match cur.due_at {
-            None => Ok(ResendEffect::Queued),
-            Some(due) if due > now => {
-                // Remember the original time (only the first time) so a failed expedited
-                // attempt does not pull the rest of the schedule forward.
-                let resume_at = if cur.resume_at == 0 {
-                    due
-                } else {
-                    cur.resume_at
-                };
-                conn.prepare_cached(
-                    "UPDATE messages SET due_at = ?2, resume_at = ?3 WHERE id = ?1",
-                )
-                .db()?
-                .execute(params![id, now, resume_at])
-                .db()?;
-                Ok(ResendEffect::Expedited)
-            }
-            Some(_) => Ok(ResendEffect::Expedited),
-        },
-        MessageState::InFlight => {
-            conn.prepare_cached(
-                "UPDATE messages SET deliver_again = 1, deadline = ?2 WHERE id = ?1",
-            )
-            .db()?
-            .execute(params![id, fresh_deadline])
-            .db()?;
-            Ok(ResendEffect::AfterCurrent)
-        }
-        MessageState::Recorded => Ok(ResendEffect::Skipped),
-    }
+    Ok(outcome)
 }
 
 /// Store::reserve_operation: no lifecycle rule, the resend request id's own record.

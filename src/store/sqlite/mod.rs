@@ -46,7 +46,7 @@ use rusqlite::{Connection, OpenFlags};
 
 pub use writer::CommitStall;
 
-use self::error::{Db, context, corrupt, db_error};
+use self::error::{Db, context, db_error};
 use self::writer::Writer;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
@@ -54,6 +54,7 @@ use super::{
     Partitions, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
+use crate::store::lifecycle::Lifetimes;
 
 /// Knobs of [`SqliteStore::open_with`]; [`SqliteStore::open`] uses the defaults.
 #[derive(Debug, Clone)]
@@ -97,8 +98,7 @@ pub struct SqliteStore {
     /// Why a std `Mutex`: it is only locked inside `spawn_blocking`, never across an await.
     reader: Arc<Mutex<Connection>>,
     /// How long finished messages and their history are kept.
-    retention_ms: i64,
-    payment_retention_ms: i64,
+    lifetimes: Lifetimes,
     timeout: Duration,
     /// The partition count the database records. SQLite itself has one queue; the count is
     /// kept so that ids stay what they would be on any engine.
@@ -163,8 +163,10 @@ impl SqliteStore {
         Ok(SqliteStore {
             writer,
             reader: Arc::new(Mutex::new(reader)),
-            retention_ms,
-            payment_retention_ms,
+            lifetimes: Lifetimes {
+                retention_ms,
+                payment_retention_ms,
+            },
             timeout: options.timeout,
             partitions,
             path: path.to_path_buf(),
@@ -313,10 +315,10 @@ fn wall_clock_ms() -> Millis {
 #[async_trait]
 impl Store for SqliteStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
-        let (retention_ms, payment_retention_ms) = (self.retention_ms, self.payment_retention_ms);
+        let lifetimes = self.lifetimes;
         self.writer
             .commit(Some(now), move |conn| {
-                accept::accept(conn, &req, now, retention_ms, payment_retention_ms)
+                accept::accept(conn, &req, now, lifetimes)
             })
             .await
     }
@@ -344,12 +346,12 @@ impl Store for SqliteStore {
         completion: Completion,
         now: Millis,
     ) -> Result<bool, StoreError> {
-        let attempt = serde_json::to_string(&HistoryEntry::Delivery(attempt)).map_err(corrupt)?;
+        let attempt = HistoryEntry::Delivery(attempt);
         let claimed = claimed.clone();
-        let retention_ms = self.retention_ms;
+        let lifetimes = self.lifetimes;
         self.writer
             .commit(Some(now), move |conn| {
-                commands::complete(conn, &claimed, &attempt, completion, now, retention_ms)
+                commands::complete(conn, &claimed, attempt, completion, now, lifetimes)
             })
             .await
     }
@@ -379,10 +381,9 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<ResendEffect, StoreError> {
         let id = id.to_string();
-        let mark = serde_json::to_string(&HistoryEntry::Resend(mark)).map_err(corrupt)?;
         self.writer
             .commit(Some(now), move |conn| {
-                commands::resend(conn, &id, &mark, fresh_deadline, now)
+                commands::resend(conn, &id, mark, fresh_deadline, now)
             })
             .await
     }

@@ -8,10 +8,13 @@ fn claims_take_the_earliest_due_first_up_to_the_limit() {
     let a = accept_new(&mut m, "pay/a", T0 + 2);
     let b = accept_new(&mut m, "pay/b", T0);
     let c = accept_new(&mut m, "pay/c", T0 + 1);
-    assert!(claim(&mut m, T0 + 5, 0, LEASE_MS).is_empty(), "limit 0");
-    assert_eq!(ids(&claim(&mut m, T0 + 5, 2, LEASE_MS)), vec![b, c]);
-    assert_eq!(ids(&claim(&mut m, T0 + 5, 2, LEASE_MS)), vec![a]);
-    assert!(claim(&mut m, T0 + 5, 2, LEASE_MS).is_empty(), "all leased");
+    assert!(m.claim(T0 + 5, T0 + 5, 0, LEASE_MS).is_empty(), "limit 0");
+    assert_eq!(ids(&m.claim(T0 + 5, T0 + 5, 2, LEASE_MS)), vec![b, c]);
+    assert_eq!(ids(&m.claim(T0 + 5, T0 + 5, 2, LEASE_MS)), vec![a]);
+    assert!(
+        m.claim(T0 + 5, T0 + 5, 2, LEASE_MS).is_empty(),
+        "all leased"
+    );
 }
 
 #[test]
@@ -36,7 +39,7 @@ fn a_lease_carries_attempts_backoff_and_deadline() {
         T0 + 1
     ));
     assert!(
-        claim(&mut m, T0 + 4, 10, LEASE_MS).is_empty(),
+        m.claim(T0 + 4, T0 + 4, 10, LEASE_MS).is_empty(),
         "a retry waits"
     );
     let lease = claim_one(&mut m, T0 + 5, &id);
@@ -59,7 +62,7 @@ fn one_ordering_key_is_delivered_in_order() {
         },
         T0 + 20
     ));
-    assert!(claim(&mut m, T0 + 30, 10, LEASE_MS).is_empty());
+    assert!(m.claim(T0 + 30, T0 + 30, 10, LEASE_MS).is_empty());
     let c1 = claim_one(&mut m, T0 + 1_000, &m1);
     // Delivered: the next one is due at once; dead too.
     assert!(finish(&mut m, &c1, Completion::Delivered, T0 + 1_001));
@@ -78,7 +81,8 @@ fn an_expired_lease_is_claimed_again_and_the_old_token_is_stale() {
     let id = accept_new(&mut m, "pay/1", T0);
     let first = claim_one(&mut m, T0, &id);
     assert!(
-        claim(&mut m, T0 + LEASE - 1, 10, LEASE_MS).is_empty(),
+        m.claim(T0 + LEASE - 1, T0 + LEASE - 1, 10, LEASE_MS)
+            .is_empty(),
         "still leased"
     );
     let second = claim_one(&mut m, T0 + LEASE, &id);
@@ -93,7 +97,7 @@ fn an_expired_lease_is_claimed_again_and_the_old_token_is_stale() {
         Completion::Delivered,
         T0 + LEASE + 1
     ));
-    assert!(!release(&mut m, &first, T0 + LEASE + 1));
+    assert!(!m.release(&first, T0 + LEASE + 1));
     assert_eq!(msg(&m, &id).state, MessageState::InFlight);
     assert!(msg(&m, &id).history.is_empty());
     assert!(finish(
@@ -112,7 +116,7 @@ fn a_lease_that_ran_out_may_still_be_finished_until_claimed_again() {
     let b = accept_new(&mut m, "pay/b", T0 + 10);
     // A's lease ran out and A is due again, but B (due earlier) takes the only slot.
     let expiry = T0 + LEASE;
-    assert_eq!(ids(&claim(&mut m, expiry, 1, LEASE_MS)), vec![b]);
+    assert_eq!(ids(&m.claim(expiry, expiry, 1, LEASE_MS)), vec![b]);
     assert_eq!(msg(&m, &a).due_at, Some(expiry));
     assert!(finish(&mut m, &stale, Completion::Delivered, expiry + 1));
     let record = msg(&m, &a);
@@ -121,7 +125,7 @@ fn a_lease_that_ran_out_may_still_be_finished_until_claimed_again() {
         (MessageState::Delivered, None)
     );
     assert!(
-        claim(&mut m, expiry + 2, 10, LEASE_MS).is_empty(),
+        m.claim(expiry + 2, expiry + 2, 10, LEASE_MS).is_empty(),
         "not back"
     );
 }
@@ -133,11 +137,11 @@ fn expire_lease_takes_the_earliest_up_to_the_limit() {
     claim_one(&mut m, T0, &a);
     let b = accept_new(&mut m, "pay/b", T0 + 1);
     claim_one(&mut m, T0 + 1, &b);
-    assert_eq!(expire_lease(&mut m, T0 + LEASE - 1, 10), 0);
-    assert_eq!(expire_lease(&mut m, T0 + LEASE + 5, 1), 1);
+    assert_eq!(m.expire_lease(T0 + LEASE - 1, T0 + LEASE - 1, 10), 0);
+    assert_eq!(m.expire_lease(T0 + LEASE + 5, T0 + LEASE + 5, 1), 1);
     assert_eq!(msg(&m, &a).due_at, Some(T0 + LEASE + 5));
     assert_eq!(msg(&m, &b).lease_until, Some(T0 + 1 + LEASE));
-    assert_eq!(expire_lease(&mut m, T0 + LEASE + 6, 10), 1);
+    assert_eq!(m.expire_lease(T0 + LEASE + 6, T0 + LEASE + 6, 10), 1);
     assert_eq!(msg(&m, &a).state, MessageState::InFlight);
 }
 
@@ -196,10 +200,7 @@ fn a_requeued_message_starts_its_backoff_over_with_a_fresh_window() {
     assert!(finish(&mut m, &c, Completion::Dead, T0 + 1_001));
     let now = T0 + DAY;
     let fresh = now + 7 * DAY;
-    assert_eq!(
-        resend(&mut m, &id, mark(now), fresh, now),
-        ResendEffect::Requeued
-    );
+    assert_eq!(m.resend(&id, mark(now), fresh, now), ResendEffect::Requeued);
     assert_eq!(msg(&m, &id).ends_at, None, "live again");
     let c = claim_one(&mut m, now, &id);
     assert_eq!((c.attempts, c.backoff_step, c.deadline), (2, 0, fresh));
@@ -221,7 +222,7 @@ fn a_requeued_message_waits_behind_the_pending_ones_of_its_key() {
     assert!(finish(&mut m, &c, Completion::Delivered, T0 + 1));
     let next = accept_new(&mut m, "pay/1", T0 + 2);
     assert_eq!(
-        resend(&mut m, &done, mark(T0 + 3), T0 + DAY, T0 + 3),
+        m.resend(&done, mark(T0 + 3), T0 + DAY, T0 + 3),
         ResendEffect::Requeued
     );
     assert_eq!(m.queue("pay/1"), vec![next.clone(), done.clone()]);
@@ -246,7 +247,7 @@ fn an_expedited_message_resumes_its_schedule() {
     let now = T0 + 1_000;
     for at in [now, now + 1] {
         assert_eq!(
-            resend(&mut m, &id, mark(at), at + 7 * DAY, at),
+            m.resend(&id, mark(at), at + 7 * DAY, at),
             ResendEffect::Expedited
         );
     }
@@ -279,14 +280,14 @@ fn a_released_expedited_attempt_keeps_the_first_time_to_resume_at() {
         Completion::Retry { next_at: original },
         T0 + 1
     ));
-    resend(&mut m, &id, mark(T0 + 2), T0 + DAY, T0 + 2);
+    m.resend(&id, mark(T0 + 2), T0 + DAY, T0 + 2);
     let c = claim_one(&mut m, T0 + 2, &id);
     // Given back (shutdown) for later, then expedited again: neither the release nor the
     // second resend replaces the time the schedule resumes at.
-    assert!(release(&mut m, &c, T0 + 50_000));
+    assert!(m.release(&c, T0 + 50_000));
     assert_eq!(msg(&m, &id).resume_at, Some(original));
     assert_eq!(
-        resend(&mut m, &id, mark(T0 + 3), T0 + DAY, T0 + 3),
+        m.resend(&id, mark(T0 + 3), T0 + DAY, T0 + 3),
         ResendEffect::Expedited
     );
     assert_eq!(msg(&m, &id).due_at, Some(T0 + 3));
@@ -309,7 +310,7 @@ fn a_resend_in_flight_delivers_once_more_not_forever() {
     let c = claim_one(&mut m, T0, &id);
     let fresh = T0 + 8 * DAY;
     assert_eq!(
-        resend(&mut m, &id, mark(T0 + 1), fresh, T0 + 1),
+        m.resend(&id, mark(T0 + 1), fresh, T0 + 1),
         ResendEffect::AfterCurrent
     );
     assert!(finish(&mut m, &c, Completion::Dead, T0 + 100));
@@ -332,16 +333,10 @@ fn history_keeps_the_first_and_the_latest_rows_and_counts_every_row() {
     for n in 1..=150u32 {
         let c = claim_one(&mut m, now, &id);
         let row = delivery(n, now);
-        assert!(complete(
-            &mut m,
-            &c,
-            row,
-            Completion::Retry { next_at: now + 1 },
-            now
-        ));
+        assert!(m.complete(&c, row, Completion::Retry { next_at: now + 1 }, now));
         now += 1;
     }
-    resend(&mut m, &id, mark(now), now + DAY, now);
+    m.resend(&id, mark(now), now + DAY, now);
     let record = msg(&m, &id).record();
     assert_eq!((record.history_total, record.delivery_attempts), (151, 150));
     assert_eq!(record.history.len(), 1 + HISTORY_TAIL);
@@ -361,7 +356,7 @@ fn finished_messages_end_after_the_retention_and_are_swept() {
     let dead = accept_new(&mut m, "pay/b", T0);
     let pending = accept_new(&mut m, "pay/c", T0 + 1);
     let recorded = accept_recorded(&mut m, T0);
-    for lease in claim(&mut m, T0, 10, LEASE_MS) {
+    for lease in m.claim(T0, T0, 10, LEASE_MS) {
         let outcome = if lease.message.id == delivered {
             Completion::Delivered
         } else {
@@ -371,28 +366,20 @@ fn finished_messages_end_after_the_retention_and_are_swept() {
     }
     assert_eq!(msg(&m, &pending).state, MessageState::Pending);
     let end = T0 + 30 * DAY;
-    assert_eq!(sweep(&mut m, end - 1), 0);
+    assert_eq!(m.sweep(end - 1), 0);
     for id in [&delivered, &dead, &recorded] {
         assert!(!msg(&m, id).ended(end - 1), "{id} kept until its end");
         assert!(msg(&m, id).ended(end));
     }
     // Ended: gone for a resend, though found by reads until swept.
     assert_eq!(
-        resend(&mut m, &dead, mark(end), end + DAY, end),
+        m.resend(&dead, mark(end), end + DAY, end),
         ResendEffect::Skipped
     );
-    assert_eq!(
-        sweep(&mut m, end),
-        6,
-        "three messages and their dedupe claims"
-    );
+    assert_eq!(m.sweep(end), 6, "three messages and their dedupe claims");
     for id in [&delivered, &dead, &recorded] {
         assert!(m.message(id).is_none(), "{id} swept");
     }
-    assert_eq!(
-        sweep(&mut m, end + 400 * DAY),
-        1,
-        "the pending message's claim"
-    );
+    assert_eq!(m.sweep(end + 400 * DAY), 1, "the pending message's claim");
     assert!(m.message(&pending).is_some(), "unfinished work never ends");
 }

@@ -7,6 +7,11 @@ mod delivery;
 use std::collections::BTreeMap;
 
 use super::*;
+use crate::clock::Millis;
+use crate::store::{
+    AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL, Lease, MessageId,
+    MessageState, NewMessage, QueueDepth, ResendEffect, ResendMark,
+};
 use crate::store::{DedupeClaim, MessageKind, Partitions, PaymentTransition, SignatureSeal};
 
 /// 2025-11-30T00:00:00Z: ids encode creation time, so times must be realistic.
@@ -55,7 +60,7 @@ fn request(dedupe_key: &str, message: NewMessage) -> AcceptRequest {
 fn accept_new(m: &mut Model, ordering_key: &str, now: Millis) -> MessageId {
     let message = new_message(ordering_key, now);
     let id = message.id.clone();
-    let outcome = accept(m, &request(&format!("claim/{id}"), message), now);
+    let outcome = m.accept(&request(&format!("claim/{id}"), message), now);
     assert_eq!(outcome, AcceptOutcome::Accepted);
     id
 }
@@ -67,7 +72,7 @@ fn accept_recorded(m: &mut Model, now: Millis) -> MessageId {
     };
     let id = message.id.clone();
     assert_eq!(
-        accept(m, &request(&format!("claim/{id}"), message), now),
+        m.accept(&request(&format!("claim/{id}"), message), now),
         AcceptOutcome::Accepted
     );
     id
@@ -97,13 +102,13 @@ fn ids(leases: &[Lease]) -> Vec<MessageId> {
 
 /// Claims at `now` and expects exactly `id`.
 fn claim_one(m: &mut Model, now: Millis, id: &MessageId) -> Lease {
-    let leases = claim(m, now, 100, LEASE_MS);
+    let leases = m.claim(now, now, 100, LEASE_MS);
     assert_eq!(ids(&leases), vec![id.clone()], "claimed at T0+{}", now - T0);
     leases.into_iter().next().expect("one lease")
 }
 
 fn finish(m: &mut Model, lease: &Lease, completion: Completion, now: Millis) -> bool {
-    complete(m, lease, delivery(lease.attempts + 1, now), completion, now)
+    m.complete(lease, delivery(lease.attempts + 1, now), completion, now)
 }
 
 fn msg<'a>(m: &'a Model, id: &MessageId) -> &'a Message {
@@ -167,6 +172,8 @@ fn fixture(spot: Spot) -> Fixture {
         attempts: 0,
         backoff_step: 0,
         deadline: msg(&m, &id).deadline,
+        resume_at: None,
+        again: false,
     };
     let (lease, now) = match spot {
         Spot::DueHead | Spot::Behind | Spot::Recorded => (unleased, now),
@@ -182,7 +189,7 @@ fn fixture(spot: Spot) -> Fixture {
         Spot::Expired => {
             let lease = claim_one(&mut m, T0 + 1, &id);
             let now = T0 + 1 + LEASE;
-            assert_eq!(expire_lease(&mut m, now, 10), 1);
+            assert_eq!(m.expire_lease(now, now, 10), 1);
             (lease, now)
         }
         Spot::Delivered | Spot::Dead => {
@@ -228,7 +235,7 @@ fn claim_from_each_state() {
     for spot in SPOTS {
         let mut f = fixture(spot);
         let token = msg(&f.model, &f.id).token;
-        let claimed = claim(&mut f.model, f.now, 100, LEASE_MS);
+        let claimed = f.model.claim(f.now, f.now, 100, LEASE_MS);
         let claimed: Vec<_> = claimed.iter().filter(|l| l.message.id == f.id).collect();
         let claimable = matches!(spot, Spot::DueHead | Spot::Expired);
         assert_eq!(claimed.len(), usize::from(claimable), "{spot:?}");
@@ -285,11 +292,7 @@ fn release_from_each_state() {
         let mut f = fixture(spot);
         let before = msg(&f.model, &f.id).clone();
         let held = matches!(spot, Spot::InFlight | Spot::Expired);
-        assert_eq!(
-            release(&mut f.model, &f.lease, f.now + 500),
-            held,
-            "{spot:?}"
-        );
+        assert_eq!(f.model.release(&f.lease, f.now + 500), held, "{spot:?}");
         let after = msg(&f.model, &f.id);
         if held {
             assert_eq!(after.state, MessageState::Pending);
@@ -320,7 +323,7 @@ fn resend_from_each_state() {
         let before = msg(&f.model, &f.id).clone();
         let fresh = f.now + 7 * DAY;
         assert_eq!(
-            resend(&mut f.model, &f.id, mark(f.now), fresh, f.now),
+            f.model.resend(&f.id, mark(f.now), fresh, f.now),
             effect,
             "{spot:?}"
         );
@@ -354,7 +357,7 @@ fn resend_of_an_unknown_id_is_skipped() {
     let mut m = Model::new(LIFETIMES);
     let unknown = MessageId::generate(T0, "pay/none", Partitions::DEFAULT);
     assert_eq!(
-        resend(&mut m, &unknown, mark(T0), T0 + DAY, T0),
+        m.resend(&unknown, mark(T0), T0 + DAY, T0),
         ResendEffect::Skipped
     );
     assert!(m.message(&unknown).is_none());

@@ -1,15 +1,18 @@
--- Implements store::lifecycle::accept (src/store/lifecycle.rs).
--- Claims a dedupe key and records a message in one atomic step.
+-- Applies store::lifecycle::accept (src/store/lifecycle/rules.rs) in one atomic step: checks
+-- the live claim, seal and payment status as the rule does, and writes the plan Rust made
+-- (lifecycle::accept_plan): the claim's, seal's, payment's and message's ends, the message's
+-- first state and its place in its queue.
 -- KEYS: 1 dedupe, 2 message hash, 3 ordering queue, 4 due zset, 5 index of the initial state,
 --       6 index of the ordering key, 7 payment status, 8 expiry bucket index,
 --       9 signature seal (a key that never exists when there is no seal)
--- ARGV: 1 dedupe ttl secs, 2 fingerprint, 3 stored response, 4 id, 5 record json, 6 now ms,
---       7 initial state, 8 payment target status ('' = none),
---       9 allowed previous statuses (space separated), 10 payment retention secs,
---       11 message retention secs, 12 seal expiry ms ('' = no seal), 13 short hash of the
+-- ARGV: 1 claim end ms, 2 fingerprint, 3 stored response, 4 id, 5 record json, 6 now ms,
+--       7 first state, 8 payment target status ('' = none),
+--       9 allowed previous statuses (space separated), 10 payment state end ms,
+--       11 message end ms ('' = none), 12 seal expiry ms ('' = no seal), 13 short hash of the
 --       ordering key, 14 the digits after the time of the id a compact claim of this claim
 --       key names (partition, claim key hash), 15 the compact claim to write ('' = write
---       the string form)
+--       the string form), 16 the time the message is due if it heads its queue ('' = it
+--       joins no queue), 17 the status a payment never seen counts as
 --
 -- Lifetimes are decided by the caller's clock (expiry.lua): a string past its end is treated
 -- as absent, and the sweeper deletes it.
@@ -58,7 +61,7 @@ if claim_response then
   return {'dup', claim_response}
 end
 if ARGV[8] ~= '' then
-  local current = live(KEYS[7], now) or 'undefined'
+  local current = live(KEYS[7], now) or ARGV[17]
   local allowed = false
   for status in string.gmatch(ARGV[9], '%S+') do
     if status == current then allowed = true end
@@ -66,10 +69,10 @@ if ARGV[8] ~= '' then
   if not allowed then
     return {'transition', current}
   end
-  put(KEYS[8], KEYS[7], ARGV[8], now + tonumber(ARGV[10]) * 1000, now)
+  put(KEYS[8], KEYS[7], ARGV[8], tonumber(ARGV[10]), now)
 end
 local id = ARGV[4]
-local claim_until = now + tonumber(ARGV[1]) * 1000
+local claim_until = tonumber(ARGV[1])
 if ARGV[15] ~= '' then
   put_value(KEYS[8], KEYS[1], ARGV[15], claim_until, now)
 else
@@ -77,16 +80,15 @@ else
 end
 seal(ARGV[3], claim_until)
 -- The other fields start at their defaults, which an absent field means.
-if ARGV[7] == 'pending' then
+if ARGV[11] == '' then
   redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13])
-  if redis.call('RPUSH', KEYS[3], id) == 1 then
-    redis.call('ZADD', KEYS[4], ARGV[6], id)
-  end
 else
-  -- recorded: nothing to deliver, kept for the message retention
-  local ends = now + tonumber(ARGV[11]) * 1000
+  local ends = tonumber(ARGV[11])
   redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13], 'end', ends)
   add_expiry(KEYS[8], 'xm', 'm:' .. id, ends, now)
+end
+if ARGV[16] ~= '' and redis.call('RPUSH', KEYS[3], id) == 1 then
+  redis.call('ZADD', KEYS[4], ARGV[16], id)
 end
 redis.call('ZADD', KEYS[5], 0, id)
 redis.call('ZADD', KEYS[6], 0, id)
