@@ -16,17 +16,18 @@ use callbackd::store::partitions::Partitions;
 use callbackd::store::postgres::{LAYOUT_VERSION, PostgresOptions, PostgresStore};
 use callbackd::store::{
     DeliveryAttempt, HistoryEntry, ListFilter, MessageId, MessageKind, MessageState, NewMessage,
-    OperationReservation, QueueDepth, StoreError,
+    OperationReservation, QueueDepth, Store, StoreError,
 };
 use postgres_support::{PostgresServer, free_port};
 
 /// 2025-11-30T00:00:00Z: ids encode creation time, so times must be realistic.
 const T0: Millis = 1_764_460_800_000;
 const DAY_MS: Millis = 86_400_000;
+const RETENTION_SECS: u64 = 2_592_000;
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 async fn migrated(server: &PostgresServer) -> PostgresStore {
-    let mut store = PostgresStore::connect(&server.url(), TIMEOUT)
+    let mut store = PostgresStore::connect(&server.url(), TIMEOUT, RETENTION_SECS)
         .await
         .expect("connects");
     store.migrate().await.expect("migrates");
@@ -133,12 +134,12 @@ fn attempt(n: u32, at: Millis, status: u16) -> HistoryEntry {
 #[tokio::test]
 async fn a_new_database_gets_the_layout_recorded_once_and_reads_empty() {
     let server = PostgresServer::start();
-    let mut store = PostgresStore::connect(&server.url(), TIMEOUT)
+    let mut store = PostgresStore::connect(&server.url(), TIMEOUT, RETENTION_SECS)
         .await
         .unwrap();
     assert_eq!(store.migrate().await.unwrap(), 0, "an empty database");
     assert_eq!(store.partitions(), Partitions::DEFAULT);
-    let mut again = PostgresStore::connect(&server.url(), TIMEOUT)
+    let mut again = PostgresStore::connect(&server.url(), TIMEOUT, RETENTION_SECS)
         .await
         .unwrap();
     assert_eq!(again.migrate().await.unwrap(), LAYOUT_VERSION);
@@ -171,7 +172,7 @@ async fn two_processes_starting_at_once_migrate_once() {
     let starts = (0..4).map(|_| {
         let url = url.clone();
         tokio::spawn(async move {
-            let mut store = PostgresStore::connect(&url, TIMEOUT).await?;
+            let mut store = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS).await?;
             store.migrate().await
         })
     });
@@ -196,7 +197,8 @@ async fn a_newer_layout_refuses_this_binary_naming_both_versions() {
     server.psql(&format!(
         "INSERT INTO callbackd_layout (version) VALUES ({newer})"
     ));
-    let Err(StoreError::Incompatible(why)) = PostgresStore::connect(&server.url(), TIMEOUT).await
+    let Err(StoreError::Incompatible(why)) =
+        PostgresStore::connect(&server.url(), TIMEOUT, RETENTION_SECS).await
     else {
         panic!("a newer layout must be refused");
     };
@@ -214,16 +216,18 @@ async fn the_partition_count_is_recorded_and_a_contradicting_one_refused() {
         partitions: Partitions::new(count),
         ..PostgresOptions::default()
     };
-    let mut store = PostgresStore::connect_with(&server.url(), TIMEOUT, &options(8))
-        .await
-        .unwrap();
+    let mut store =
+        PostgresStore::connect_with(&server.url(), TIMEOUT, RETENTION_SECS, &options(8))
+            .await
+            .unwrap();
     store.migrate().await.unwrap();
     assert_eq!(server.psql("SELECT count FROM callbackd_partitions"), "8");
-    let kept = PostgresStore::connect(&server.url(), TIMEOUT)
+    let kept = PostgresStore::connect(&server.url(), TIMEOUT, RETENTION_SECS)
         .await
         .unwrap();
     assert_eq!(kept.partitions().count(), 8, "unset keeps the store's own");
-    let refused = PostgresStore::connect_with(&server.url(), TIMEOUT, &options(16)).await;
+    let refused =
+        PostgresStore::connect_with(&server.url(), TIMEOUT, RETENTION_SECS, &options(16)).await;
     assert!(
         matches!(refused, Err(StoreError::Incompatible(_))),
         "{refused:?}"
@@ -233,7 +237,9 @@ async fn the_partition_count_is_recorded_and_a_contradicting_one_refused() {
 #[tokio::test]
 async fn fsync_off_or_an_asynchronous_role_is_refused_when_durability_is_required() {
     let lax = PostgresServer::start_with(&[("fsync", "off")]);
-    let store = PostgresStore::connect(&lax.url(), TIMEOUT).await.unwrap();
+    let store = PostgresStore::connect(&lax.url(), TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap();
     let Verdict::Refuse(why) = store.durability(true).await.unwrap() else {
         panic!("fsync = off must be refused");
     };
@@ -252,7 +258,9 @@ async fn fsync_off_or_an_asynchronous_role_is_refused_when_durability_is_require
     let url = server
         .url()
         .replace("postgres://postgres@", "postgres://cb@");
-    let store = PostgresStore::connect(&url, TIMEOUT).await.unwrap();
+    let store = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap();
     let Verdict::Refuse(why) = store.durability(true).await.unwrap() else {
         panic!("the role's synchronous_commit = off must be refused");
     };
@@ -265,7 +273,7 @@ async fn fsync_off_or_an_asynchronous_role_is_refused_when_durability_is_require
 #[tokio::test]
 async fn no_synchronous_standby_is_a_warning_and_a_synchronous_one_silences_it() {
     let mut primary = PostgresServer::start();
-    let store = PostgresStore::connect(&primary.url(), TIMEOUT)
+    let store = PostgresStore::connect(&primary.url(), TIMEOUT, RETENTION_SECS)
         .await
         .unwrap();
     let Verdict::Start { warnings } = store.durability(true).await.unwrap() else {
@@ -293,7 +301,9 @@ async fn a_multi_host_url_finds_the_primary_and_follows_a_failover() {
         "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
         standby.port, primary.port
     );
-    let mut store = PostgresStore::connect(&both, TIMEOUT).await.unwrap();
+    let mut store = PostgresStore::connect(&both, TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap();
     store
         .migrate()
         .await
@@ -301,7 +311,7 @@ async fn a_multi_host_url_finds_the_primary_and_follows_a_failover() {
     store.ping().await.unwrap();
 
     // A URL naming only the standby reaches it, and ping says it takes no writes.
-    let standby_only = PostgresStore::connect(&standby.url(), TIMEOUT)
+    let standby_only = PostgresStore::connect(&standby.url(), TIMEOUT, RETENTION_SECS)
         .await
         .unwrap();
     let refused = standby_only.ping().await;
@@ -374,7 +384,7 @@ async fn a_call_held_up_by_a_lock_fails_within_the_timeout_and_the_next_one_work
 #[tokio::test]
 async fn an_unreachable_server_is_unreachable_and_its_password_never_shown() {
     let url = format!("postgres://cb:s3cret@127.0.0.1:{}/cb", free_port());
-    let err = PostgresStore::connect(&url, TIMEOUT)
+    let err = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS)
         .await
         .expect_err("nothing listens there");
     assert!(matches!(err, StoreError::Unreachable(_)), "{err:?}");

@@ -11,10 +11,11 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use callbackd::store::StoreError;
 use callbackd::store::postgres::{ClientCertificate, PostgresOptions, PostgresStore, PostgresTls};
+use callbackd::store::{Store, StoreError};
 use postgres_support::PostgresServer;
 
+const RETENTION_SECS: u64 = 2_592_000;
 const TIMEOUT: Duration = Duration::from_secs(3);
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate for the role
@@ -173,6 +174,7 @@ async fn tls_verified_by_the_configured_ca_connects_in_every_sslmode_that_uses_i
         let store = PostgresStore::connect_with(
             &url(&server, "postgres", &format!("sslmode={sslmode}")),
             TIMEOUT,
+            RETENTION_SECS,
             &pki.options(false),
         )
         .await
@@ -186,14 +188,22 @@ async fn a_server_certificate_that_does_not_verify_is_refused_not_waited_for() {
     let pki = Pki::new();
     let server = tls_server(&pki);
     // No CA file: the system's roots do not know the test CA.
-    let refused = PostgresStore::connect(&url(&server, "postgres", "sslmode=require"), TIMEOUT)
-        .await
-        .expect_err("an unknown CA");
+    let refused = PostgresStore::connect(
+        &url(&server, "postgres", "sslmode=require"),
+        TIMEOUT,
+        RETENTION_SECS,
+    )
+    .await
+    .expect_err("an unknown CA");
     assert!(matches!(refused, StoreError::Unavailable(_)), "{refused:?}");
     // Without TLS the server's rules reject the connection: a refusal too.
-    let plain = PostgresStore::connect(&url(&server, "postgres", "sslmode=disable"), TIMEOUT)
-        .await
-        .expect_err("plain connections are rejected");
+    let plain = PostgresStore::connect(
+        &url(&server, "postgres", "sslmode=disable"),
+        TIMEOUT,
+        RETENTION_SECS,
+    )
+    .await
+    .expect_err("plain connections are rejected");
     assert!(matches!(plain, StoreError::Unavailable(_)), "{plain:?}");
 }
 
@@ -202,11 +212,11 @@ async fn a_client_certificate_logs_in_where_the_server_asks_for_one() {
     let pki = Pki::new();
     let server = tls_server(&pki);
     let url = url(&server, "certified", "sslmode=verify-full");
-    let store = PostgresStore::connect_with(&url, TIMEOUT, &pki.options(true))
+    let store = PostgresStore::connect_with(&url, TIMEOUT, RETENTION_SECS, &pki.options(true))
         .await
         .expect("the certificate is the login");
     store.ping().await.unwrap();
-    let refused = PostgresStore::connect_with(&url, TIMEOUT, &pki.options(false))
+    let refused = PostgresStore::connect_with(&url, TIMEOUT, RETENTION_SECS, &pki.options(false))
         .await
         .expect_err("no certificate, no login");
     assert!(matches!(refused, StoreError::Unavailable(_)), "{refused:?}");
@@ -222,9 +232,14 @@ async fn a_password_logs_in_and_a_wrong_one_is_refused_without_being_shown() {
             server.port
         )
     };
-    let store = PostgresStore::connect_with(&with("pg-s3cret"), TIMEOUT, &pki.options(false))
-        .await
-        .expect("the right password");
+    let store = PostgresStore::connect_with(
+        &with("pg-s3cret"),
+        TIMEOUT,
+        RETENTION_SECS,
+        &pki.options(false),
+    )
+    .await
+    .expect("the right password");
     store.ping().await.unwrap();
     assert!(!format!("{store:?}").contains("pg-s3cret"));
     assert!(
@@ -233,9 +248,14 @@ async fn a_password_logs_in_and_a_wrong_one_is_refused_without_being_shown() {
         store.shown_url()
     );
 
-    let refused = PostgresStore::connect_with(&with("wrong-pw"), TIMEOUT, &pki.options(false))
-        .await
-        .expect_err("a wrong password");
+    let refused = PostgresStore::connect_with(
+        &with("wrong-pw"),
+        TIMEOUT,
+        RETENTION_SECS,
+        &pki.options(false),
+    )
+    .await
+    .expect_err("a wrong password");
     let StoreError::Unavailable(why) = &refused else {
         panic!("a refusal, not something to wait for: {refused:?}");
     };

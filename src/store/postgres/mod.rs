@@ -26,18 +26,28 @@
 //! | `error.rs` | PostgreSQL failures as `StoreError`s |
 //! | `durability.rs` | the start-up check of `fsync`, `synchronous_commit` and the synchronous standby |
 //! | `migrate.rs`, `migrations/` | the layout version and the SQL that builds each layout |
+//! | `accept.rs`, `commands.rs` | the lifecycle transactions: each reads, asks its `store::lifecycle` rule, applies the effect |
+//! | `locks.rs` | the advisory locks of keys that may have no row yet, and of ordering keys' queues |
+//! | `days.rs`, `sweep.rs` | the day partitions of finished messages; the sweep (bounded deletes, the horizon, whole days dropped) |
 //! | `reads.rs` | get, list, depth, payment status, oldest unfinished, ping |
 //! | `operations.rs` | resend request ids |
 
+mod accept;
+mod commands;
 mod connection;
+mod days;
 mod durability;
 mod error;
+mod locks;
 mod migrate;
 mod operations;
 mod reads;
+mod sweep;
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use futures_util::FutureExt;
 
 pub use connection::{ClientCertificate, PostgresTls, redacted_url};
@@ -45,16 +55,27 @@ pub use durability::{DurabilitySettings, Setting, judge};
 pub use migrate::LAYOUT_VERSION;
 
 use self::connection::Database;
+use self::days::{Days, end_day};
 use super::{
-    ListFilter, MessageId, MessageRecord, OperationReservation, Page, Partitions, QueueDepth,
-    StoreError,
+    AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
+    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
+    Partitions, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use crate::durability::Verdict;
+use crate::store::lifecycle::Lifetimes;
 
 /// Connections a store keeps open at most when the options say nothing: every call holds one
 /// for a round trip or a short transaction, so a handful serve a busy process.
 pub const DEFAULT_POOL_SIZE: usize = 16;
+
+/// The database's clock in milliseconds since the epoch, as SQL: leases and operation records
+/// are judged by it, so every process judges them by one clock.
+const DB_NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+/// A message that is not gone, as SQL on `messages m`: unfinished (the live partition), or
+/// finished and above the sweep horizon (sweep.rs).
+const NOT_GONE: &str = "(m.end_day = 0 OR m.ends_at > (SELECT swept_to FROM sweep_horizon))";
 
 /// How to reach PostgreSQL beyond its URL.
 #[derive(Debug, Clone)]
@@ -84,6 +105,11 @@ pub struct PostgresStore {
     partitions: Partitions,
     /// `store.partitions`, settled again under the migration's lock.
     configured_partitions: Option<Partitions>,
+    lifetimes: Lifetimes,
+    /// The day partitions known to exist.
+    days: Arc<Days>,
+    /// Leases timed by the database's clock rather than the caller's.
+    database_clock_leases: bool,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -94,10 +120,19 @@ impl std::fmt::Debug for PostgresStore {
     }
 }
 
+fn secs_to_ms(secs: u64) -> Millis {
+    i64::try_from(secs).unwrap_or(i64::MAX).saturating_mul(1000)
+}
+
 impl PostgresStore {
-    /// Connects to the database at `url` with the default options.
-    pub async fn connect(url: &str, timeout: Duration) -> Result<PostgresStore, StoreError> {
-        PostgresStore::connect_with(url, timeout, &PostgresOptions::default()).await
+    /// Connects to the database at `url` with the default options; finished messages are
+    /// kept `retention_secs`.
+    pub async fn connect(
+        url: &str,
+        timeout: Duration,
+        retention_secs: u64,
+    ) -> Result<PostgresStore, StoreError> {
+        PostgresStore::connect_with(url, timeout, retention_secs, &PostgresOptions::default()).await
     }
 
     /// Opens the pool and one connection, and reads the recorded layout without writing
@@ -107,6 +142,7 @@ impl PostgresStore {
     pub async fn connect_with(
         url: &str,
         timeout: Duration,
+        retention_secs: u64,
         options: &PostgresOptions,
     ) -> Result<PostgresStore, StoreError> {
         let db = Database::open(url, timeout, &options.tls, options.pool_size).await?;
@@ -118,11 +154,34 @@ impl PostgresStore {
             None => crate::store::partitions::Found::Empty,
         };
         let partitions = crate::store::partitions::settle(options.partitions, found)?;
+        let retention_ms = secs_to_ms(retention_secs);
         Ok(PostgresStore {
             db,
             partitions,
             configured_partitions: options.partitions,
+            lifetimes: Lifetimes {
+                retention_ms,
+                payment_retention_ms: secs_to_ms(
+                    DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
+                ),
+            },
+            days: Arc::new(Days::default()),
+            database_clock_leases: true,
         })
+    }
+
+    /// How long a payment's status outlives its last transition (at least the retention).
+    pub fn with_payment_retention_secs(mut self, secs: u64) -> PostgresStore {
+        self.lifetimes.payment_retention_ms = secs_to_ms(secs).max(self.lifetimes.retention_ms);
+        self
+    }
+
+    /// Times leases by the caller's `now` instead of the database's clock. Only for tests that
+    /// move a virtual clock past a lease; in production every worker must judge leases by one
+    /// clock.
+    pub fn with_caller_clock_leases(mut self) -> PostgresStore {
+        self.database_clock_leases = false;
+        self
     }
 
     /// The URL as messages and logs may show it: the password hidden.
@@ -155,54 +214,115 @@ impl PostgresStore {
         Ok(found)
     }
 
-    /// The store's partition count: new message ids are generated for it.
-    pub fn partitions(&self) -> Partitions {
-        self.partitions
+    /// Makes sure the day a message finishing at `now` ends in has its partitions, before a
+    /// write that may finish one (days.rs).
+    async fn prepare_day(&self, now: Millis) -> Result<(), StoreError> {
+        let day = end_day(Some(now.saturating_add(self.lifetimes.retention_ms)));
+        if self.days.known(day) {
+            return Ok(());
+        }
+        let days = Arc::clone(&self.days);
+        self.db
+            .call(move |client| async move { days.ensure(client, day).await }.boxed())
+            .await
+    }
+}
+
+/// Each call is one pooled connection within the store timeout (`connection.rs`); each write
+/// one transaction that applies what its `store::lifecycle` rule decides.
+#[async_trait]
+impl Store for PostgresStore {
+    async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
+        self.prepare_day(now).await?;
+        let (days, lifetimes) = (Arc::clone(&self.days), self.lifetimes);
+        self.db
+            .call(move |client| {
+                async move { accept::accept(client, &days, &req, now, lifetimes).await }.boxed()
+            })
+            .await
     }
 
-    pub async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError> {
+    async fn claim_due(
+        &self,
+        now: Millis,
+        limit: usize,
+        lease_ms: u64,
+    ) -> Result<Vec<Lease>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let (days, database_clock) = (Arc::clone(&self.days), self.database_clock_leases);
+        self.db
+            .call(move |client| {
+                async move {
+                    commands::claim(client, &days, now, limit, lease_ms, database_clock).await
+                }
+                .boxed()
+            })
+            .await
+    }
+
+    async fn complete(
+        &self,
+        claimed: &Lease,
+        attempt: DeliveryAttempt,
+        completion: Completion,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        self.prepare_day(now).await?;
+        let (days, lifetimes, lease) = (Arc::clone(&self.days), self.lifetimes, claimed.clone());
+        let attempt = HistoryEntry::Delivery(attempt);
+        self.db
+            .call(move |client| {
+                async move {
+                    commands::complete(client, &days, &lease, attempt, completion, now, lifetimes)
+                        .await
+                }
+                .boxed()
+            })
+            .await
+    }
+
+    async fn release(&self, claimed: &Lease, next_at: Millis) -> Result<bool, StoreError> {
+        let (days, lease) = (Arc::clone(&self.days), claimed.clone());
+        self.db
+            .call(move |client| {
+                async move { commands::release(client, &days, &lease, next_at).await }.boxed()
+            })
+            .await
+    }
+
+    async fn get(&self, id: &MessageId) -> Result<Option<MessageRecord>, StoreError> {
         let id = id.to_string();
         self.db
             .call(move |client| async move { reads::get(client, &id).await }.boxed())
             .await
     }
 
-    pub async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
         let filter = filter.clone();
         self.db
             .call(move |client| async move { reads::list(client, &filter).await }.boxed())
             .await
     }
 
-    pub async fn depth(&self) -> Result<QueueDepth, StoreError> {
-        self.db.call(|client| reads::depth(client).boxed()).await
-    }
-
-    pub async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
-        self.db
-            .call(|client| reads::oldest_unfinished(client).boxed())
-            .await
-    }
-
-    pub async fn payment_status(
+    async fn resend(
         &self,
-        payment_id: &str,
+        id: &MessageId,
+        mark: ResendMark,
+        fresh_deadline: Millis,
         now: Millis,
-    ) -> Result<Option<String>, StoreError> {
-        let payment_id = payment_id.to_string();
+    ) -> Result<ResendEffect, StoreError> {
+        let (days, id) = (Arc::clone(&self.days), id.to_string());
         self.db
             .call(move |client| {
-                async move { reads::payment_status(client, &payment_id, now).await }.boxed()
+                async move { commands::resend(client, &days, &id, mark, fresh_deadline, now).await }
+                    .boxed()
             })
             .await
     }
 
-    /// Readiness: the server answers and takes writes.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        self.db.call(|client| reads::ping(client).boxed()).await
-    }
-
-    pub async fn reserve_operation(
+    async fn reserve_operation(
         &self,
         key: &str,
         fingerprint: &str,
@@ -217,7 +337,7 @@ impl PostgresStore {
             .await
     }
 
-    pub async fn finish_operation(
+    async fn finish_operation(
         &self,
         key: &str,
         fingerprint: &str,
@@ -237,5 +357,44 @@ impl PostgresStore {
                 .boxed()
             })
             .await
+    }
+
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
+        let payment_id = payment_id.to_string();
+        self.db
+            .call(move |client| {
+                async move { reads::payment_status(client, &payment_id, now).await }.boxed()
+            })
+            .await
+    }
+
+    async fn depth(&self) -> Result<QueueDepth, StoreError> {
+        self.db.call(|client| reads::depth(client).boxed()).await
+    }
+
+    async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
+        self.db
+            .call(|client| reads::oldest_unfinished(client).boxed())
+            .await
+    }
+
+    async fn sweep(&self, now: Millis) -> Result<usize, StoreError> {
+        let days = Arc::clone(&self.days);
+        self.db
+            .call(move |client| async move { sweep::sweep(client, &days, now).await }.boxed())
+            .await
+    }
+
+    /// Readiness: the server answers and takes writes.
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.db.call(|client| reads::ping(client).boxed()).await
+    }
+
+    fn partitions(&self) -> Partitions {
+        self.partitions
     }
 }

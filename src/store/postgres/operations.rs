@@ -5,14 +5,12 @@
 
 use deadpool_postgres::Client;
 
+use super::DB_NOW_MS;
 use super::error::{Db, column};
 use crate::store::{
     OperationReservation, StoreError, decode_operation, encode_finished_operation,
     encode_running_operation,
 };
-
-/// The database's clock in milliseconds since the epoch, as SQL.
-const DB_NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
 /// Reserves `key` unless a live record holds it; a record past its end is replaced.
 pub(super) async fn reserve(

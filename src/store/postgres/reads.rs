@@ -10,16 +10,13 @@ use deadpool_postgres::Client;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
+use super::NOT_GONE;
 use super::error::{Db, column, corrupt};
 use crate::clock::Millis;
 use crate::store::{
     HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
     StoreError, matches_filter,
 };
-
-/// A message that is not gone: unfinished (the live partition), or finished and above the
-/// sweep horizon.
-const NOT_GONE: &str = "(m.end_day = 0 OR m.ends_at > (SELECT swept_to FROM sweep_horizon))";
 
 const RECORD_COLUMNS: &str = "m.id, m.message_json, m.state, m.deadline, m.due_at, \
                               m.history_total, m.delivery_attempts, m.ends_at";

@@ -1,0 +1,202 @@
+//! The accept transaction: the dedupe claim, the payment compare-and-set, the signature seal
+//! and the new message, all or nothing (ARCHITECTURE.md §1.2), committed before the answer.
+//! It reads what `store::lifecycle::accept` reads, under the locks of the dedupe key, the seal
+//! and the payment (`locks.rs`: they may have no row to lock yet), and applies its decision.
+
+use deadpool_postgres::{Client, Transaction};
+
+use super::commands::move_in_queue;
+use super::days::{Days, end_day};
+use super::error::{Db, column, corrupt};
+use super::locks::{Lock, lock};
+use crate::clock::Millis;
+use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
+use crate::store::{AcceptOutcome, AcceptRequest, StoreError};
+
+/// Applies store::lifecycle::accept to what this transaction reads.
+pub(super) async fn accept(
+    client: &mut Client,
+    days: &Days,
+    req: &AcceptRequest,
+    now: Millis,
+    lifetimes: Lifetimes,
+) -> Result<AcceptOutcome, StoreError> {
+    let tx = client.transaction().await.db()?;
+    lock(&tx, Lock::DedupeKey, &req.dedupe.key).await?;
+    if let Some(seal) = &req.seal {
+        lock(&tx, Lock::Seal, &seal.key).await?;
+    }
+    if let Some(p) = lifecycle::transition(req) {
+        lock(&tx, Lock::Payment, &p.payment_id).await?;
+    }
+    let claim = read_claim(&tx, &req.dedupe.key, now).await?;
+    let seal = match &req.seal {
+        Some(seal) => read_text(&tx, "SELECT response FROM seals", "key", &seal.key, now).await?,
+        None => None,
+    };
+    let payment = match lifecycle::transition(req) {
+        Some(p) => {
+            read_text(
+                &tx,
+                "SELECT status FROM payments",
+                "payment_id",
+                &p.payment_id,
+                now,
+            )
+            .await?
+        }
+        None => None,
+    };
+    let read = AcceptRead {
+        claim: claim.as_ref(),
+        seal: seal.as_deref(),
+        payment: payment.as_deref(),
+    };
+    let plan = match lifecycle::accept(read, req, now, lifetimes) {
+        AcceptDecision::Answer(outcome) => return Ok(outcome),
+        AcceptDecision::Replay {
+            response,
+            seal_until,
+        } => {
+            store_seal(&tx, req, &response, seal_until).await?;
+            tx.commit().await.db()?;
+            return Ok(AcceptOutcome::Replayed { response });
+        }
+        AcceptDecision::Record(plan) => plan,
+    };
+    if let (Some(p), Some((status, ends_at))) = (lifecycle::transition(req), &plan.payment) {
+        tx.execute(
+            "INSERT INTO payments (payment_id, status, expires_at) VALUES ($1, $2, $3) \
+             ON CONFLICT (payment_id) DO UPDATE SET status = excluded.status, \
+             expires_at = excluded.expires_at",
+            &[&p.payment_id, status, ends_at],
+        )
+        .await
+        .db()?;
+    }
+    let claim = &req.dedupe;
+    // An expired claim of the same key may still be there, not yet swept.
+    let insert_claim = tx
+        .prepare_cached(
+            "INSERT INTO dedupe_claims (key, fingerprint, response, expires_at) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT (key) DO UPDATE SET \
+             fingerprint = excluded.fingerprint, response = excluded.response, \
+             expires_at = excluded.expires_at",
+        )
+        .await
+        .db()?;
+    tx.execute(
+        &insert_claim,
+        &[
+            &claim.key,
+            &claim.fingerprint,
+            &claim.response,
+            &plan.claim_ends,
+        ],
+    )
+    .await
+    .db()?;
+    store_seal(&tx, req, &claim.response, plan.seal_ends).await?;
+
+    let msg = &req.message;
+    let start = &plan.message;
+    let day = end_day(start.ends_at);
+    if !days.known(day) {
+        return Err(StoreError::Unavailable(format!(
+            "the partition of day {day} of finished messages is missing; it is created on retry"
+        )));
+    }
+    let message_json = serde_json::to_string(msg).map_err(corrupt)?;
+    let insert_message = tx
+        .prepare_cached(
+            "INSERT INTO messages \
+             (id, end_day, message_json, source, ordering_key, state, deadline, ends_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .await
+        .db()?;
+    tx.execute(
+        &insert_message,
+        &[
+            &msg.id.as_str(),
+            &day,
+            &message_json,
+            &msg.source,
+            &msg.ordering_key,
+            &start.state.as_str(),
+            &start.deadline,
+            &start.ends_at,
+        ],
+    )
+    .await
+    .db()?;
+    move_in_queue(&tx, &msg.ordering_key, msg.id.as_str(), plan.queue).await?;
+    tx.commit().await.db()?;
+    Ok(AcceptOutcome::Accepted)
+}
+
+async fn read_claim(
+    tx: &Transaction<'_>,
+    key: &str,
+    now: Millis,
+) -> Result<Option<LiveClaim>, StoreError> {
+    let statement = tx
+        .prepare_cached(
+            "SELECT fingerprint, response, expires_at FROM dedupe_claims \
+             WHERE key = $1 AND expires_at > $2",
+        )
+        .await
+        .db()?;
+    match tx.query_opt(&statement, &[&key, &now]).await.db()? {
+        Some(row) => Ok(Some(LiveClaim {
+            fingerprint: column(&row, 0)?,
+            response: column(&row, 1)?,
+            ends_at: column(&row, 2)?,
+        })),
+        None => Ok(None),
+    }
+}
+
+/// `select` (one text column of a table with `expires_at`) of the row whose `key_column` is
+/// `key`, while alive at `now`.
+async fn read_text(
+    tx: &Transaction<'_>,
+    select: &str,
+    key_column: &str,
+    key: &str,
+    now: Millis,
+) -> Result<Option<String>, StoreError> {
+    let statement = tx
+        .prepare_cached(&format!(
+            "{select} WHERE {key_column} = $1 AND expires_at > $2"
+        ))
+        .await
+        .db()?;
+    match tx.query_opt(&statement, &[&key, &now]).await.db()? {
+        Some(row) => column(&row, 0).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Seals the request's signature, if any, to `response` until `until`.
+async fn store_seal(
+    tx: &Transaction<'_>,
+    req: &AcceptRequest,
+    response: &str,
+    until: Option<Millis>,
+) -> Result<(), StoreError> {
+    if let (Some(seal), Some(until)) = (&req.seal, until) {
+        let statement = tx
+            .prepare_cached(
+                "INSERT INTO seals (key, response, expires_at) VALUES ($1, $2, $3) \
+                 ON CONFLICT (key) DO UPDATE SET response = excluded.response, \
+                 expires_at = excluded.expires_at",
+            )
+            .await
+            .db()?;
+        tx.execute(&statement, &[&seal.key, &response, &until])
+            .await
+            .db()?;
+    }
+    Ok(())
+}

@@ -1,0 +1,415 @@
+//! The lifecycle transactions after accept: lease, finish, give back, resend. Each reads the
+//! message under a row lock (`FOR UPDATE`) in its transaction, asks its `store::lifecycle`
+//! rule, and writes the effect as it is, so the transaction holds what the rule read (the
+//! guard of `lifecycle::Guard`, by construction) and decides nothing itself.
+//!
+//! Claims take due messages with `FOR UPDATE SKIP LOCKED`: processes sharing the database
+//! never wait for each other's claims, and never lease one message twice. A move in an
+//! ordering key's queue runs under that key's lock (`locks.rs`).
+
+use deadpool_postgres::{Client, Transaction};
+use tokio_postgres::error::SqlState;
+
+use super::days::{Days, end_day};
+use super::error::{Db, column, corrupt, db_error};
+use super::locks::{Lock, lock};
+use super::{DB_NOW_MS, NOT_GONE};
+use crate::clock::Millis;
+use crate::store::lifecycle::{self, Effect, Lifetimes, QueueMove, Snapshot};
+use crate::store::{
+    ANSWER_BODY_ROWS, Completion, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage,
+    ResendEffect, ResendMark, StoreError,
+};
+
+/// The columns [`row_from`] reads, from `messages m`.
+const ROW_COLUMNS: &str = "m.state, m.lease_token, m.delivery_attempts, \
+                           m.attempts_before_requeue, m.deadline, m.due_at, m.resume_at, \
+                           m.deliver_again, m.ends_at, m.lease_until, m.ordering_key, m.end_day";
+
+/// A message's row as the rules read it, with what applying an effect needs besides.
+pub(super) struct Row {
+    pub snapshot: Snapshot,
+    pub lease_until: Option<Millis>,
+    pub ordering_key: String,
+    /// The partition it is in.
+    pub end_day: i32,
+}
+
+/// A [`Row`] from the first columns of `row`, [`ROW_COLUMNS`].
+fn row_from(row: &tokio_postgres::Row) -> Result<Row, StoreError> {
+    let state: String = column(row, 0)?;
+    let token: i64 = column(row, 1)?;
+    let attempts: i32 = column(row, 2)?;
+    let backoff_from: i32 = column(row, 3)?;
+    Ok(Row {
+        snapshot: Snapshot {
+            state: MessageState::parse(&state)
+                .ok_or_else(|| corrupt(format!("a message has state `{state}`")))?,
+            token: u64::try_from(token).map_err(corrupt)?,
+            attempts: u32::try_from(attempts).map_err(corrupt)?,
+            backoff_from: u32::try_from(backoff_from).map_err(corrupt)?,
+            deadline: column(row, 4)?,
+            due_at: column(row, 5)?,
+            resume_at: column(row, 6)?,
+            again: column(row, 7)?,
+            ends_at: column(row, 8)?,
+        },
+        lease_until: column(row, 9)?,
+        ordering_key: column(row, 10)?,
+        end_day: column(row, 11)?,
+    })
+}
+
+/// Reads message `id` (not gone) and locks its row until the transaction ends.
+async fn read_row(tx: &Transaction<'_>, id: &str) -> Result<Option<Row>, StoreError> {
+    let statement = tx
+        .prepare_cached(&format!(
+            "SELECT {ROW_COLUMNS} FROM messages m WHERE m.id = $1 AND {NOT_GONE} FOR UPDATE"
+        ))
+        .await
+        .db()?;
+    match tx.query_opt(&statement, &[&id]).await.db()? {
+        Some(row) => row_from(&row).map(Some),
+        None => Ok(None),
+    }
+}
+
+fn to_i32(n: u32) -> Result<i32, StoreError> {
+    i32::try_from(n).map_err(corrupt)
+}
+
+/// Writes `effect` to message `id`, read as `row` in this same transaction: its changes (in
+/// the partition its end names, moving it and its history there when that changed), its
+/// history row, its move in its queue.
+pub(super) async fn apply(
+    tx: &Transaction<'_>,
+    days: &Days,
+    id: &str,
+    row: &Row,
+    effect: Effect,
+) -> Result<(), StoreError> {
+    let after = effect.changes.applied_to(&row.snapshot);
+    let lease_until = effect.changes.lease_until.unwrap_or(row.lease_until);
+    let day = end_day(after.ends_at);
+    if !days.known(day) {
+        return Err(missing_day(day));
+    }
+    let statement = tx
+        .prepare_cached(
+            "UPDATE messages SET end_day = $3, state = $4, lease_token = $5, \
+             delivery_attempts = $6, attempts_before_requeue = $7, deadline = $8, due_at = $9, \
+             lease_until = $10, resume_at = $11, deliver_again = $12, ends_at = $13, \
+             history_total = history_total + $14 \
+             WHERE id = $1 AND end_day = $2 RETURNING history_total",
+        )
+        .await
+        .db()?;
+    let recorded: i64 = effect.history.is_some().into();
+    let updated = tx
+        .query_one(
+            &statement,
+            &[
+                &id,
+                &row.end_day,
+                &day,
+                &after.state.as_str(),
+                &i64::try_from(after.token).map_err(corrupt)?,
+                &to_i32(after.attempts)?,
+                &to_i32(after.backoff_from)?,
+                &after.deadline,
+                &after.due_at,
+                &lease_until,
+                &after.resume_at,
+                &after.again,
+                &after.ends_at,
+                &recorded,
+            ],
+        )
+        .await;
+    let history_total: i64 = match updated {
+        Ok(updated) => column(&updated, 0)?,
+        // No partition for the day: another process dropped it. The retry creates it again.
+        Err(e) if e.code() == Some(&SqlState::CHECK_VIOLATION) && day != 0 => {
+            days.forget(day);
+            return Err(missing_day(day));
+        }
+        Err(e) => return Err(db_error(e)),
+    };
+    if day != row.end_day {
+        tx.execute(
+            "UPDATE history SET end_day = $3 WHERE message_id = $1 AND end_day = $2",
+            &[&id, &row.end_day, &day],
+        )
+        .await
+        .db()?;
+    }
+    if let Some(entry) = &effect.history {
+        record_history(tx, id, day, history_total, entry).await?;
+    }
+    move_in_queue(tx, &row.ordering_key, id, effect.queue).await
+}
+
+fn missing_day(day: i32) -> StoreError {
+    StoreError::Unavailable(format!(
+        "the partition of day {day} of finished messages is missing; it is created on retry"
+    ))
+}
+
+/// Appends history row number `seq` (the message's new `history_total`), keeping the first
+/// row and the latest [`HISTORY_TAIL`]; the row that leaves the latest [`ANSWER_BODY_ROWS`]
+/// (unless it is the first) drops its answer's body (store::lifecycle's rule).
+async fn record_history(
+    tx: &Transaction<'_>,
+    id: &str,
+    day: i32,
+    seq: i64,
+    entry: &HistoryEntry,
+) -> Result<(), StoreError> {
+    let json = serde_json::to_string(entry).map_err(corrupt)?;
+    let insert = tx
+        .prepare_cached(
+            "INSERT INTO history (message_id, end_day, seq, entry_json) VALUES ($1, $2, $3, $4)",
+        )
+        .await
+        .db()?;
+    tx.execute(&insert, &[&id, &day, &seq, &json]).await.db()?;
+    let tail = i64::try_from(HISTORY_TAIL).map_err(corrupt)?;
+    if seq > tail + 1 {
+        let trim = tx
+            .prepare_cached(
+                "DELETE FROM history WHERE message_id = $1 AND end_day = $2 \
+                 AND seq > 1 AND seq <= $3",
+            )
+            .await
+            .db()?;
+        tx.execute(&trim, &[&id, &day, &(seq - tail)]).await.db()?;
+    }
+    let older = seq - i64::try_from(ANSWER_BODY_ROWS).map_err(corrupt)?;
+    if older < 2 {
+        return Ok(());
+    }
+    let read = tx
+        .prepare_cached(
+            "SELECT entry_json FROM history WHERE message_id = $1 AND end_day = $2 AND seq = $3",
+        )
+        .await
+        .db()?;
+    let Some(found) = tx.query_opt(&read, &[&id, &day, &older]).await.db()? else {
+        return Ok(());
+    };
+    let json: String = column(&found, 0)?;
+    let mut entry: HistoryEntry = serde_json::from_str(&json).map_err(corrupt)?;
+    if !entry.drop_answer_body() {
+        return Ok(());
+    }
+    let json = serde_json::to_string(&entry).map_err(corrupt)?;
+    tx.execute(
+        "UPDATE history SET entry_json = $4 WHERE message_id = $1 AND end_day = $2 AND seq = $3",
+        &[&id, &day, &older, &json],
+    )
+    .await
+    .db()
+    .map(|_| ())
+}
+
+/// Applies a queue move of message `id` of `ordering_key` (the rule decided the times), under
+/// the ordering key's lock.
+pub(super) async fn move_in_queue(
+    tx: &Transaction<'_>,
+    ordering_key: &str,
+    id: &str,
+    queue: QueueMove,
+) -> Result<(), StoreError> {
+    match queue {
+        QueueMove::Stay => Ok(()),
+        QueueMove::Join { due_if_head } => {
+            lock(tx, Lock::OrderingKey, ordering_key).await?;
+            let insert = tx
+                .prepare_cached("INSERT INTO queue (ordering_key, id) VALUES ($1, $2)")
+                .await
+                .db()?;
+            tx.execute(&insert, &[&ordering_key, &id]).await.db()?;
+            let head = tx
+                .prepare_cached(
+                    "UPDATE messages SET due_at = $3 WHERE id = $2 AND end_day = 0 AND NOT EXISTS \
+                     (SELECT 1 FROM queue WHERE ordering_key = $1 AND id <> $2)",
+                )
+                .await
+                .db()?;
+            tx.execute(&head, &[&ordering_key, &id, &due_if_head])
+                .await
+                .db()
+                .map(|_| ())
+        }
+        QueueMove::Leave { next_due_at } => {
+            lock(tx, Lock::OrderingKey, ordering_key).await?;
+            let delete = tx
+                .prepare_cached("DELETE FROM queue WHERE id = $1")
+                .await
+                .db()?;
+            tx.execute(&delete, &[&id]).await.db()?;
+            let next = tx
+                .prepare_cached(
+                    "UPDATE messages SET due_at = $2 WHERE end_day = 0 AND id = \
+                     (SELECT id FROM queue WHERE ordering_key = $1 ORDER BY position LIMIT 1)",
+                )
+                .await
+                .db()?;
+            tx.execute(&next, &[&ordering_key, &next_due_at])
+                .await
+                .db()
+                .map(|_| ())
+        }
+    }
+}
+
+/// Applies store::lifecycle::expire_lease, then store::lifecycle::claim, to the messages the
+/// rules' order picks that no other transaction holds: leases run out by the lease clock
+/// (the database's, or `now` for tests on a virtual clock), then due by `now`, earliest first.
+pub(super) async fn claim(
+    client: &mut Client,
+    days: &Days,
+    now: Millis,
+    limit: usize,
+    lease_ms: u64,
+    database_clock: bool,
+) -> Result<Vec<Lease>, StoreError> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let tx = client.transaction().await.db()?;
+    let lease_now: Millis = if database_clock {
+        let row = tx
+            .query_one(&format!("SELECT {DB_NOW_MS}"), &[])
+            .await
+            .db()?;
+        column(&row, 0)?
+    } else {
+        now
+    };
+    let lease_until = lease_now.saturating_add(i64::try_from(lease_ms).unwrap_or(i64::MAX));
+    let expired = tx
+        .prepare_cached(&format!(
+            "SELECT {ROW_COLUMNS}, m.id FROM messages m \
+             WHERE m.end_day = 0 AND m.lease_until <= $1 \
+             ORDER BY m.lease_until, m.id LIMIT $2 FOR UPDATE SKIP LOCKED"
+        ))
+        .await
+        .db()?;
+    for found in tx.query(&expired, &[&lease_now, &limit]).await.db()? {
+        let row = row_from(&found)?;
+        let id: String = column(&found, 12)?;
+        let effect = lifecycle::expire_lease(&row.snapshot, now);
+        apply(&tx, days, &id, &row, effect).await?;
+    }
+    let due = tx
+        .prepare_cached(&format!(
+            "SELECT {ROW_COLUMNS}, m.id, m.message_json FROM messages m \
+             WHERE m.end_day = 0 AND m.due_at <= $1 \
+             ORDER BY m.due_at, m.id LIMIT $2 FOR UPDATE SKIP LOCKED"
+        ))
+        .await
+        .db()?;
+    let mut leases = Vec::new();
+    for found in tx.query(&due, &[&now, &limit]).await.db()? {
+        let row = row_from(&found)?;
+        let id: String = column(&found, 12)?;
+        let message_json: String = column(&found, 13)?;
+        let effect = lifecycle::claim(&row.snapshot, lease_until);
+        let leased = effect.changes.applied_to(&row.snapshot);
+        apply(&tx, days, &id, &row, effect).await?;
+        let message: NewMessage = serde_json::from_str(&message_json).map_err(corrupt)?;
+        leases.push(Lease::of(message, &leased));
+    }
+    tx.commit().await.db()?;
+    Ok(leases)
+}
+
+/// Applies store::lifecycle::complete.
+pub(super) async fn complete(
+    client: &mut Client,
+    days: &Days,
+    lease: &Lease,
+    attempt: HistoryEntry,
+    completion: Completion,
+    now: Millis,
+    lifetimes: Lifetimes,
+) -> Result<bool, StoreError> {
+    let id = lease.message.id.as_str();
+    let tx = client.transaction().await.db()?;
+    // The key's lock before the row's, as every transaction takes them (locks.rs).
+    lock(&tx, Lock::OrderingKey, &lease.message.ordering_key).await?;
+    let Some(row) = read_row(&tx, id).await? else {
+        return Ok(false);
+    };
+    let Some(effect) = lifecycle::complete(
+        &row.snapshot,
+        lease.token,
+        attempt,
+        completion,
+        now,
+        lifetimes,
+    ) else {
+        return Ok(false);
+    };
+    apply(&tx, days, id, &row, effect).await?;
+    tx.commit().await.db()?;
+    Ok(true)
+}
+
+/// Applies store::lifecycle::release.
+pub(super) async fn release(
+    client: &mut Client,
+    days: &Days,
+    lease: &Lease,
+    next_at: Millis,
+) -> Result<bool, StoreError> {
+    let id = lease.message.id.as_str();
+    let tx = client.transaction().await.db()?;
+    let Some(row) = read_row(&tx, id).await? else {
+        return Ok(false);
+    };
+    let Some(effect) = lifecycle::release(&row.snapshot, lease.token, next_at) else {
+        return Ok(false);
+    };
+    apply(&tx, days, id, &row, effect).await?;
+    tx.commit().await.db()?;
+    Ok(true)
+}
+
+/// Applies store::lifecycle::resend. The sweep horizon is read under a share lock, so a sweep
+/// that raises it (and drops the days it passes) waits for this transaction: a message this
+/// resend moves back to the live partition is out of every day a drop takes.
+pub(super) async fn resend(
+    client: &mut Client,
+    days: &Days,
+    id: &str,
+    mark: ResendMark,
+    fresh_deadline: Millis,
+    now: Millis,
+) -> Result<ResendEffect, StoreError> {
+    let tx = client.transaction().await.db()?;
+    tx.execute("SELECT swept_to FROM sweep_horizon FOR SHARE", &[])
+        .await
+        .db()?;
+    let ordering_key = tx
+        .query_opt(
+            &format!("SELECT m.ordering_key FROM messages m WHERE m.id = $1 AND {NOT_GONE}"),
+            &[&id],
+        )
+        .await
+        .db()?;
+    let row = match ordering_key {
+        Some(found) => {
+            let ordering_key: String = column(&found, 0)?;
+            lock(&tx, Lock::OrderingKey, &ordering_key).await?;
+            read_row(&tx, id).await?
+        }
+        None => None,
+    };
+    let snapshot = row.as_ref().map(|r| r.snapshot);
+    let (outcome, effect) = lifecycle::resend(snapshot.as_ref(), mark, fresh_deadline, now);
+    if let (Some(row), Some(effect)) = (&row, effect) {
+        apply(&tx, days, id, row, effect).await?;
+        tx.commit().await.db()?;
+    }
+    Ok(outcome)
+}
