@@ -8,7 +8,7 @@
 //!   they apply;
 //! - `store/`: the one seam to storage, each state change one atomic step with `now` from the
 //!   caller; `store/lifecycle.rs` states the message lifecycle once, in plain Rust, and the
-//!   engines, `store/sqlite/` and `store/redis/`, are held to it;
+//!   engines, `store/sqlite/`, `store/redis/` and `store/postgres/`, are held to it;
 //! - `dispatch/`: the workers that claim, deliver and complete, within per-host slots
 //!   (`dispatch/hosts.rs`); `ssrf.rs` the addresses a delivery may reach;
 //! - `config/`: the file, its checks and the typed settings built from it once;
@@ -48,6 +48,7 @@ use clock::Clock;
 use config::{Config, ServerSettings, Settings, StoreLocation, StoreSettings};
 use dispatch::Dispatcher;
 use durability::Verdict;
+use store::postgres::{PostgresOptions, PostgresStore};
 use store::redis::{RedisOptions, RedisStore};
 use store::sqlite::{SqliteOptions, SqliteStore};
 use store::{Store, StoreError};
@@ -56,9 +57,9 @@ use store::{Store, StoreError};
 pub enum StartError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// `store.require_durable = true` and the Redis may lose acknowledged writes; the message
-    /// says what to check.
-    #[error("store.require_durable = true refuses this Redis: {0}")]
+    /// `store.require_durable = true` and the store (Redis, PostgreSQL) may lose acknowledged
+    /// writes; the message says what to check.
+    #[error("store.require_durable = true refuses this store: {0}")]
     NotDurable(String),
     /// `store.min_replicas_acked` asks for more replicas than the Redis has connected.
     #[error("{0}")]
@@ -104,6 +105,27 @@ pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, Star
                     from,
                     to = store::redis::SCHEMA_VERSION,
                     "upgraded the Redis layout"
+                );
+            }
+            Ok(Arc::new(store))
+        }
+        StoreLocation::Postgres(url) => {
+            let options = PostgresOptions {
+                partitions: settings.partitions,
+                ..settings.postgres.clone()
+            };
+            let mut store = PostgresStore::connect_with(url, settings.timeout, retention, &options)
+                .await?
+                .with_payment_retention_secs(payment_retention);
+            // Judged before the migration writes anything to a server that may be refused.
+            let durable = store.durability(settings.require_durable).await?;
+            start_or_refuse(durable, StartError::NotDurable)?;
+            let from = store.migrate().await?;
+            if from < store::postgres::LAYOUT_VERSION {
+                tracing::info!(
+                    from,
+                    to = store::postgres::LAYOUT_VERSION,
+                    "brought the PostgreSQL layout up to date"
                 );
             }
             Ok(Arc::new(store))

@@ -216,6 +216,7 @@ fn store_kind(config: &Config) -> &'static str {
     match config.store_location() {
         Ok(callbackd::config::StoreLocation::Sqlite(_)) => "sqlite",
         Ok(callbackd::config::StoreLocation::Redis(_)) => "redis",
+        Ok(callbackd::config::StoreLocation::Postgres(_)) => "postgres",
         Err(_) => "invalid",
     }
 }

@@ -11,7 +11,8 @@
 //!
 //! The engines: SQLite, one Redis (its leases timed by the caller's clock, so that time jumps
 //! run leases out, and by its own `TIME` as in production, with leases that end as they
-//! start), and a Redis Cluster of 3 masters and 3 replicas. The rules are the model's own
+//! start), a Redis Cluster of 3 masters and 3 replicas, and PostgreSQL (a database per
+//! sequence on one private server). The rules are the model's own
 //! (`store::lifecycle`): what this holds the engines to is that each applies their decisions
 //! faithfully.
 //!
@@ -20,6 +21,9 @@
 //! `lifecycle_model.proptest-regressions` beside this file (commit it): every run replays the
 //! seeds kept there first, on every engine.
 
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
 #[path = "support/redis.rs"]
 #[allow(dead_code)]
 mod redis_support;
@@ -34,12 +38,14 @@ use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
 use callbackd::store::lifecycle::{Lifetimes, Model};
 use callbackd::store::partitions::Partitions;
+use callbackd::store::postgres::PostgresStore;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::SqliteStore;
 use callbackd::store::{
     AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind,
     MessageState, NewMessage, PaymentTransition, ResendMark, SignatureSeal, Store,
 };
+use postgres_support::PostgresServer;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestRunner};
 use redis_support::RedisServer;
@@ -793,6 +799,9 @@ enum Engine {
     /// One private cluster of 3 masters and 3 replicas for all the sequences, each under a key
     /// prefix of its own.
     Cluster(RedisCluster),
+    /// One private PostgreSQL for all the sequences, a database of its own for each, leases
+    /// timed by the caller's clock.
+    Postgres(&'static PostgresServer),
 }
 
 impl Engine {
@@ -802,6 +811,7 @@ impl Engine {
             Engine::Redis(_) => "Redis",
             Engine::RedisClock(_) => "Redis on its own clock",
             Engine::Cluster(_) => "Redis Cluster",
+            Engine::Postgres(_) => "PostgreSQL",
         }
     }
 }
@@ -828,6 +838,15 @@ async fn open(engine: &Engine) -> (Box<dyn Store>, Option<tempfile::TempDir>) {
         }
         Engine::Cluster(cluster) => {
             let (store, _prefix) = cluster.store_of_its_own(RETENTION_SECS, T0).await;
+            (Box::new(store), None)
+        }
+        Engine::Postgres(server) => {
+            let url = server.fresh_database();
+            let mut store = PostgresStore::connect(&url, Duration::from_secs(5), RETENTION_SECS)
+                .await
+                .expect("connect to the private PostgreSQL")
+                .with_caller_clock_leases();
+            store.migrate().await.expect("create the layout");
             (Box::new(store), None)
         }
         Engine::Sqlite => {
@@ -899,6 +918,11 @@ fn redis_agrees_with_the_model() {
 #[test]
 fn redis_on_its_own_clock_agrees_with_the_model() {
     agrees_with_the_model(Engine::RedisClock(RedisServer::start()));
+}
+
+#[test]
+fn postgres_agrees_with_the_model() {
+    agrees_with_the_model(Engine::Postgres(PostgresServer::shared()));
 }
 
 #[test]

@@ -4,10 +4,14 @@
 //! `redis` (a private `redis-server` per test), `redis_with_replica` (the same with a replica
 //! acknowledging every write), `cluster` (a Redis Cluster of 3 masters and 3 replicas shared
 //! by the tests of this binary, each test under its own key prefix, every write acknowledged
-//! by a replica) and `sqlite` (a temp file per test). Time is
+//! by a replica), `sqlite` (a temp file per test) and `postgres` (a database per test on one
+//! private PostgreSQL shared by the tests of this binary). Time is
 //! virtual: every call gets its `now`, starting at `T0`. Tests only one backend can run are in
 //! `redis_only` and `sqlite_only`.
 
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
 #[path = "support/redis.rs"]
 #[allow(dead_code)]
 mod redis_support;
@@ -19,6 +23,7 @@ use std::time::Duration;
 use callbackd::payment;
 use callbackd::store::ids::partition_of;
 use callbackd::store::partitions::Partitions;
+use callbackd::store::postgres::PostgresStore;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
@@ -27,6 +32,7 @@ use callbackd::store::{
     OperationReservation, PaymentTransition, QueueDepth, ReceiverAnswer, ResendEffect, ResendMark,
     SignatureSeal, Store, StoreError,
 };
+use postgres_support::PostgresServer;
 use redis_support::RedisServer;
 use redis_support::cluster::RedisCluster;
 
@@ -47,6 +53,10 @@ enum Backend {
     /// The shared cluster; the test's keys are those under `prefix`.
     Cluster {
         prefix: String,
+    },
+    /// A database of its own on the binary's shared PostgreSQL.
+    Postgres {
+        db: String,
     },
     /// The directory is kept only so that it outlives the store.
     Sqlite {
@@ -113,6 +123,22 @@ impl Harness {
         }
     }
 
+    /// The engine on a database of its own (on one private server for the binary), its leases
+    /// timed by the caller's clock.
+    async fn postgres() -> Harness {
+        let url = PostgresServer::shared().fresh_database();
+        let mut store = PostgresStore::connect(&url, Duration::from_secs(5), RETENTION_SECS)
+            .await
+            .expect("connect to the private PostgreSQL")
+            .with_caller_clock_leases();
+        store.migrate().await.expect("create the layout");
+        let db = url.rsplit('/').next().expect("a database").to_string();
+        Harness {
+            store: std::sync::Arc::new(store),
+            backend: Backend::Postgres { db },
+        }
+    }
+
     async fn sqlite() -> Harness {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("cb.db");
@@ -138,6 +164,23 @@ impl Harness {
             Backend::Cluster { prefix } => {
                 RedisCluster::shared().count_keys(&format!("{prefix}:*"))
             }
+            // A finished message at or below the sweep horizon is gone to every read, and its
+            // day partition is dropped whole once the horizon passes the day's end: what
+            // counts is what is not gone.
+            Backend::Postgres { db } => PostgresServer::shared()
+                .psql_db(
+                    db,
+                    "SELECT (SELECT count(*) FROM dedupe_claims) + (SELECT count(*) FROM payments) \
+                       + (SELECT count(*) FROM seals) + (SELECT count(*) FROM queue) \
+                       + (SELECT count(*) FROM messages m WHERE m.end_day = 0 \
+                            OR m.ends_at > (SELECT swept_to FROM sweep_horizon)) \
+                       + (SELECT count(*) FROM history h JOIN messages m \
+                            ON m.id = h.message_id AND m.end_day = h.end_day \
+                          WHERE m.end_day = 0 \
+                            OR m.ends_at > (SELECT swept_to FROM sweep_horizon))",
+                )
+                .parse()
+                .expect("a count"),
             Backend::Sqlite { path, .. } => {
                 let conn = rusqlite::Connection::open(path).expect("open for counting");
                 [
@@ -172,6 +215,7 @@ impl Harness {
                 store.set_max_page_count(1).await.expect("cap the database");
             }
             Backend::Cluster { .. } => panic!("the shared cluster is never filled"),
+            Backend::Postgres { .. } => panic!("the shared PostgreSQL is never filled"),
         }
     }
 
@@ -188,6 +232,7 @@ impl Harness {
                     .expect("lift the cap");
             }
             Backend::Cluster { .. } => panic!("the shared cluster is never filled"),
+            Backend::Postgres { .. } => panic!("the shared PostgreSQL is never filled"),
         }
     }
 
@@ -243,6 +288,14 @@ macro_rules! contract {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name(&super::Harness::sqlite().await).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(&super::Harness::postgres().await).await;
                 }
             )*
         }

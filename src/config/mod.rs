@@ -127,11 +127,13 @@ pub struct StoreConfig {
     pub timeout_ms: u64,
     /// Redis only: the start of every key name, so deployments sharing one Redis stay apart.
     pub key_prefix: String,
-    /// Redis only (`rediss://`): PEM file of the CA that signed the server's certificate.
+    /// A TLS Redis (`rediss://`) or PostgreSQL: PEM file of the CA that signed the server's
+    /// certificate (PostgreSQL without it trusts the system's roots).
     pub tls_ca_file: Option<PathBuf>,
-    /// Redis only: PEM certificate chain for a server that authenticates clients.
+    /// A TLS Redis or PostgreSQL: PEM certificate chain for a server that authenticates
+    /// clients.
     pub tls_cert_file: Option<PathBuf>,
-    /// Redis only: PEM private key of `tls_cert_file`.
+    /// A TLS Redis or PostgreSQL: PEM private key of `tls_cert_file`.
     pub tls_key_file: Option<PathBuf>,
     /// Redis replicas that must acknowledge every write (`WAIT`) within `timeout_ms` before it
     /// counts; fewer is a 503. 0 waits for none.
@@ -241,4 +243,6 @@ impl Default for LogConfig {
 pub enum StoreLocation {
     Sqlite(PathBuf),
     Redis(String),
+    /// `postgres://` or `postgresql://`, one host or several.
+    Postgres(String),
 }

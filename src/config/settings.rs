@@ -17,6 +17,7 @@ use crate::dispatch::schedule::Backoff;
 use crate::inbound::dedupe::DEFAULT_FIELDS;
 use crate::ssrf::SsrfGuard;
 use crate::store::Partitions;
+use crate::store::postgres::PostgresOptions;
 use crate::store::redis::RedisOptions;
 use crate::webhook::{Verifier, decode_whsec};
 
@@ -67,6 +68,8 @@ pub struct StoreSettings {
     pub require_durable: bool,
     /// Key prefix and TLS certificates, used when `location` is Redis.
     pub redis: RedisOptions,
+    /// TLS certificates, used when `location` is PostgreSQL.
+    pub postgres: PostgresOptions,
     /// Redis replicas that must acknowledge every write; 0 waits for none.
     pub min_replicas_acked: u32,
     /// `store.partitions` when set; `None` keeps the store's own count (the default for a new
@@ -199,6 +202,7 @@ impl Settings {
             timeout: Duration::from_millis(store.timeout_ms),
             require_durable: store.require_durable,
             redis: config.redis_options()?,
+            postgres: config.postgres_options()?,
             min_replicas_acked: store.min_replicas_acked,
             partitions: config.partitions()?,
             healthz_fails_after: (store.healthz_fails_after_secs > 0)

@@ -13,6 +13,7 @@ use super::{
     StoreLocation, invalid,
 };
 use crate::store::partitions::Partitions;
+use crate::store::postgres::{ClientCertificate, PostgresOptions, PostgresTls};
 use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls, key_prefix_problem};
 
 /// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
@@ -64,6 +65,7 @@ impl Config {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         self.store_location()?;
         self.redis_options()?;
+        self.postgres_options()?;
         if let Some(alerts) = &self.alerts {
             alerts.validate()?;
         }
@@ -174,8 +176,9 @@ impl Config {
         Ok(())
     }
 
-    /// Replicas exist only behind Redis: on SQLite the setting would promise what nothing
-    /// does, so it is refused rather than ignored.
+    /// Replicas are waited for only behind Redis: on SQLite the setting would promise what
+    /// nothing does, and PostgreSQL has its own (`synchronous_standby_names`), so it is refused
+    /// rather than ignored.
     fn validate_min_replicas_acked(&self) -> Result<(), ConfigError> {
         let n = self.store.min_replicas_acked;
         if n > MAX_MIN_REPLICAS_ACKED {
@@ -184,13 +187,18 @@ impl Config {
                 format!("must be at most {MAX_MIN_REPLICAS_ACKED} (got {n})"),
             ));
         }
-        if n > 0 && matches!(self.store_location()?, StoreLocation::Sqlite(_)) {
-            return Err(invalid(
+        match self.store_location()? {
+            StoreLocation::Sqlite(_) if n > 0 => Err(invalid(
                 "store.min_replicas_acked",
                 "needs a redis:// store.url (SQLite has no replicas); set it to 0",
-            ));
+            )),
+            StoreLocation::Postgres(_) if n > 0 => Err(invalid(
+                "store.min_replicas_acked",
+                "needs a redis:// store.url (PostgreSQL's commits wait for the standbys its \
+                 synchronous_standby_names names); set it to 0",
+            )),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// `store.partitions` when set, checked: every partition is numbered by one byte.
@@ -223,7 +231,8 @@ impl Config {
     }
 
     /// `store.key_prefix` and `store.tls_*`, with the PEM files read and parsed, so a missing
-    /// or unreadable file stops the start naming its key and path.
+    /// or unreadable file stops the start naming its key and path. On a PostgreSQL URL the TLS
+    /// files are [`Config::postgres_options`]'.
     pub fn redis_options(&self) -> Result<RedisOptions, ConfigError> {
         let store = &self.store;
         if let Some(problem) = key_prefix_problem(&store.key_prefix) {
@@ -237,16 +246,64 @@ impl Config {
             ("store.tls_cert_file", &store.tls_cert_file),
             ("store.tls_key_file", &store.tls_key_file),
         ];
+        let postgres = is_postgres_url(&store.url);
         if let Some((key, _)) = tls_keys.iter().find(|(_, file)| file.is_some())
             && !store.url.starts_with("rediss://")
+            && !postgres
         {
             return Err(invalid(
                 *key,
-                "applies only to a TLS Redis: store.url must start with rediss://",
+                "applies only to a TLS Redis or to PostgreSQL: store.url must start with \
+                 rediss:// or postgres://",
             ));
         }
-        let client = match (&store.tls_cert_file, &store.tls_key_file) {
-            (None, None) => None,
+        let tls = if postgres {
+            None
+        } else {
+            let client = self.client_identity()?;
+            match self.ca_pem()? {
+                Some(ca_pem) => Some(RedisTls { ca_pem, client }),
+                None if client.is_some() => {
+                    return Err(invalid(
+                        "store.tls_ca_file",
+                        "is required with store.tls_cert_file and store.tls_key_file",
+                    ));
+                }
+                None => None,
+            }
+        };
+        // The partition count is the store's setting, not only Redis': `StoreSettings` has it.
+        Ok(RedisOptions {
+            key_prefix: store.key_prefix.clone(),
+            tls,
+            partitions: None,
+        })
+    }
+
+    /// `store.tls_*` for a PostgreSQL URL, read and parsed: the CA is optional (the system's
+    /// roots otherwise), a client certificate needs its key.
+    pub fn postgres_options(&self) -> Result<PostgresOptions, ConfigError> {
+        if !is_postgres_url(&self.store.url) {
+            return Ok(PostgresOptions::default());
+        }
+        let client = self.client_identity()?.map(|identity| ClientCertificate {
+            cert_pem: identity.cert_pem,
+            key_pem: identity.key_pem,
+        });
+        Ok(PostgresOptions {
+            tls: PostgresTls {
+                ca_pem: self.ca_pem()?,
+                client,
+            },
+            ..PostgresOptions::default()
+        })
+    }
+
+    /// `store.tls_cert_file` and `store.tls_key_file`, both or neither, read and parsed.
+    fn client_identity(&self) -> Result<Option<ClientIdentity>, ConfigError> {
+        let store = &self.store;
+        match (&store.tls_cert_file, &store.tls_key_file) {
+            (None, None) => Ok(None),
             (Some(cert), Some(key)) => {
                 let cert_pem = read_pem("store.tls_cert_file", cert)?;
                 if CertificateDer::pem_slice_iter(&cert_pem).next().is_none() {
@@ -259,48 +316,38 @@ impl Config {
                 let key_pem = read_pem("store.tls_key_file", key)?;
                 PrivateKeyDer::from_pem_slice(&key_pem)
                     .map_err(|e| pem_error("store.tls_key_file", key, e))?;
-                Some(ClientIdentity { cert_pem, key_pem })
+                Ok(Some(ClientIdentity { cert_pem, key_pem }))
             }
-            (Some(_), None) => {
-                return Err(invalid(
-                    "store.tls_key_file",
-                    "is required with store.tls_cert_file",
-                ));
-            }
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "store.tls_cert_file",
-                    "is required with store.tls_key_file",
-                ));
-            }
-        };
-        let tls = match &store.tls_ca_file {
-            Some(ca) => {
-                let ca_pem = read_pem("store.tls_ca_file", ca)?;
-                let mut certs = CertificateDer::pem_slice_iter(&ca_pem).peekable();
-                if certs.peek().is_none() {
-                    return Err(pem_error("store.tls_ca_file", ca, "holds no certificate"));
-                }
-                for cert in certs {
-                    cert.map_err(|e| pem_error("store.tls_ca_file", ca, e))?;
-                }
-                Some(RedisTls { ca_pem, client })
-            }
-            None if client.is_some() => {
-                return Err(invalid(
-                    "store.tls_ca_file",
-                    "is required with store.tls_cert_file and store.tls_key_file",
-                ));
-            }
-            None => None,
-        };
-        // The partition count is the store's setting, not only Redis': `StoreSettings` has it.
-        Ok(RedisOptions {
-            key_prefix: store.key_prefix.clone(),
-            tls,
-            partitions: None,
-        })
+            (Some(_), None) => Err(invalid(
+                "store.tls_key_file",
+                "is required with store.tls_cert_file",
+            )),
+            (None, Some(_)) => Err(invalid(
+                "store.tls_cert_file",
+                "is required with store.tls_key_file",
+            )),
+        }
     }
+
+    /// `store.tls_ca_file`, read, holding at least one certificate and only good ones.
+    fn ca_pem(&self) -> Result<Option<Vec<u8>>, ConfigError> {
+        let Some(ca) = &self.store.tls_ca_file else {
+            return Ok(None);
+        };
+        let ca_pem = read_pem("store.tls_ca_file", ca)?;
+        let mut certs = CertificateDer::pem_slice_iter(&ca_pem).peekable();
+        if certs.peek().is_none() {
+            return Err(pem_error("store.tls_ca_file", ca, "holds no certificate"));
+        }
+        for cert in certs {
+            cert.map_err(|e| pem_error("store.tls_ca_file", ca, e))?;
+        }
+        Ok(Some(ca_pem))
+    }
+}
+
+fn is_postgres_url(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 fn read_pem(key: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {
@@ -322,11 +369,15 @@ fn parse_store_url(url: &str) -> Result<StoreLocation, ConfigError> {
         Ok(StoreLocation::Sqlite(PathBuf::from(path)))
     } else if url.starts_with("redis://") || url.starts_with("rediss://") {
         Ok(StoreLocation::Redis(url.to_string()))
+    } else if is_postgres_url(url) {
+        crate::store::postgres::check_url(url).map_err(|why| invalid("store.url", why))?;
+        Ok(StoreLocation::Postgres(url.to_string()))
     } else {
         Err(invalid(
             "store.url",
             format!(
-                "`{}` is neither sqlite://PATH nor redis://HOST:PORT/DB",
+                "`{}` is neither sqlite://PATH nor redis://HOST:PORT/DB nor \
+                 postgres://USER:PASSWORD@HOST:PORT/DB",
                 crate::store::redis::redacted_url(url)
             ),
         ))

@@ -108,13 +108,24 @@ fn driver_url(url: &str) -> String {
     };
     let query = query
         .split('&')
-        .map(|pair| match pair {
-            "sslmode=verify-ca" | "sslmode=verify-full" => "sslmode=require",
-            other => other,
+        .map(|pair| {
+            if ["sslmode=verify-ca", "sslmode=verify-full"].contains(&pair) {
+                "sslmode=require"
+            } else {
+                pair
+            }
         })
         .collect::<Vec<_>>()
         .join("&");
     format!("{base}?{query}")
+}
+
+/// Whether the driver can read `url`: checked when the config is loaded, so that a bad URL
+/// stops the start naming `store.url`, and with the password hidden.
+pub fn check_url(url: &str) -> Result<(), String> {
+    Config::from_str(&driver_url(url))
+        .map(|_| ())
+        .map_err(|e| format!("`{}`: {e}", redacted_url(url)))
 }
 
 /// The driver's config of `url`, with callbackd's bounds on every connection. `url` was

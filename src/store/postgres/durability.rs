@@ -40,19 +40,27 @@ impl Setting {
 
     /// Where the value comes from, for a message an operator acts on.
     fn origin(&self) -> String {
-        match self.source.as_str() {
-            "user" => "set for this role (ALTER ROLE ... SET)".to_string(),
-            "database" => "set for this database (ALTER DATABASE ... SET)".to_string(),
-            "database user" => {
-                "set for this role in this database (ALTER ROLE ... IN DATABASE ... SET)"
-                    .to_string()
-            }
-            "client" => "set by the connection (the options of store.url)".to_string(),
-            "default" => "the server's default".to_string(),
-            other => format!("set in the server's configuration ({other})"),
-        }
+        ORIGINS
+            .iter()
+            .find(|(source, _)| *source == self.source)
+            .map_or_else(
+                || format!("set in the server's configuration ({})", self.source),
+                |(_, origin)| origin.to_string(),
+            )
     }
 }
+
+/// `pg_settings.source` values that are not the server's configuration, and what they mean.
+const ORIGINS: [(&str, &str); 5] = [
+    ("user", "set for this role (ALTER ROLE ... SET)"),
+    ("database", "set for this database (ALTER DATABASE ... SET)"),
+    (
+        "database user",
+        "set for this role in this database (ALTER ROLE ... IN DATABASE ... SET)",
+    ),
+    ("client", "set by the connection (the options of store.url)"),
+    ("default", "the server's default"),
+];
 
 /// What decides whether an acknowledged write survives, as the server reported it.
 #[derive(Debug, Clone, PartialEq, Eq)]

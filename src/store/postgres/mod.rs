@@ -50,7 +50,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::FutureExt;
 
-pub use connection::{ClientCertificate, PostgresTls, redacted_url};
+pub use connection::{ClientCertificate, PostgresTls, check_url, redacted_url};
 pub use durability::{DurabilitySettings, Setting, judge};
 pub use migrate::LAYOUT_VERSION;
 
