@@ -1,7 +1,8 @@
 //! The PostgreSQL engine's foundations against private servers (`support/postgres.rs`): the
 //! layout and its version, the partition count, the durability check, the bounded calls (a
 //! lost server or a held lock is a quick `Unavailable`, never a hang), a multi-host URL that
-//! follows a failover, and the reads over rows as the layout holds them.
+//! follows a failover, the reads over rows as the layout holds them, and retention by whole
+//! day partitions that a resend cannot lose a message to.
 
 #[path = "support/postgres.rs"]
 #[allow(dead_code)]
@@ -15,8 +16,9 @@ use callbackd::durability::Verdict;
 use callbackd::store::partitions::Partitions;
 use callbackd::store::postgres::{LAYOUT_VERSION, PostgresOptions, PostgresStore};
 use callbackd::store::{
-    DeliveryAttempt, HistoryEntry, ListFilter, MessageId, MessageKind, MessageState, NewMessage,
-    OperationReservation, QueueDepth, Store, StoreError,
+    AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry,
+    ListFilter, MessageId, MessageKind, MessageState, NewMessage, OperationReservation, QueueDepth,
+    ResendEffect, ResendMark, Store, StoreError,
 };
 use postgres_support::{PostgresServer, free_port};
 
@@ -592,4 +594,226 @@ async fn an_operation_is_reserved_once_and_answers_its_record() {
         store.reserve_operation("op-3", "fp1", 60).await.unwrap(),
         OperationReservation::Done("{}".into())
     );
+}
+
+/// Accepts a message for `ordering_key` at `now`, claims it and finishes it as `completion`.
+async fn finished(store: &PostgresStore, ordering_key: &str, now: Millis) -> MessageId {
+    let message = message(ordering_key, None, now);
+    let id = message.id.clone();
+    let request = AcceptRequest {
+        dedupe: DedupeClaim {
+            key: format!("{ordering_key}/claim"),
+            ttl_secs: 60,
+            fingerprint: "fp".into(),
+            response: format!(r#"{{"messageId":"{id}"}}"#),
+        },
+        message,
+        payment: None,
+        seal: None,
+    };
+    assert_eq!(
+        store.accept(request, now).await.unwrap(),
+        AcceptOutcome::Accepted
+    );
+    let leases = store.claim_due(now, 10, 30_000).await.unwrap();
+    let lease = leases.iter().find(|l| l.message.id == id).expect("claimed");
+    let HistoryEntry::Delivery(attempt) = attempt(1, now, 200) else {
+        unreachable!("a delivery")
+    };
+    assert!(
+        store
+            .complete(lease, attempt, Completion::Delivered, now)
+            .await
+            .unwrap()
+    );
+    id
+}
+
+fn day_partitions(server: &PostgresServer, db: &str) -> String {
+    server.psql_db(
+        db,
+        "SELECT coalesce(string_agg(tablename, ',' ORDER BY tablename), '') FROM pg_tables \
+         WHERE tablename ~ '^(messages|history)_d[0-9]+$'",
+    )
+}
+
+#[tokio::test]
+async fn a_finished_day_is_dropped_whole_once_the_horizon_passes_its_end() {
+    let server = PostgresServer::shared();
+    let url = server.fresh_database();
+    let db = url.rsplit('/').next().unwrap().to_string();
+    let mut store = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap()
+        .with_caller_clock_leases();
+    store.migrate().await.unwrap();
+    let id = finished(&store, "pay/day", T0).await;
+    let ends = T0 + RETENTION_SECS as Millis * 1000;
+    let day = ends / DAY_MS + 1;
+    assert_eq!(
+        day_partitions(server, &db),
+        format!("history_d{day},messages_d{day}")
+    );
+    assert_eq!(
+        server.psql_db(&db, &format!("SELECT count(*) FROM history_d{day}")),
+        "1",
+        "the history moved with its message"
+    );
+
+    // At its end it is gone to every read; its day, which ends later, stays until then.
+    store.sweep(ends - 1).await.unwrap();
+    assert!(store.get(&id).await.unwrap().is_some());
+    store.sweep(ends).await.unwrap();
+    assert_eq!(store.get(&id).await.unwrap(), None);
+    assert_eq!(
+        store
+            .resend(
+                &id,
+                ResendMark {
+                    at: ends,
+                    request_id: None
+                },
+                ends + DAY_MS,
+                ends
+            )
+            .await
+            .unwrap(),
+        ResendEffect::Skipped,
+        "gone to a resend too"
+    );
+    assert_ne!(day_partitions(server, &db), "");
+    let day_end = day * DAY_MS - 1;
+    assert!(
+        store.sweep(day_end).await.unwrap() >= 1,
+        "the day counts as swept"
+    );
+    assert_eq!(day_partitions(server, &db), "", "dropped whole, no DELETE");
+}
+
+#[tokio::test]
+async fn a_resent_message_leaves_its_day_before_the_day_is_dropped() {
+    let server = PostgresServer::shared();
+    let url = server.fresh_database();
+    let db = url.rsplit('/').next().unwrap().to_string();
+    let mut store = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap()
+        .with_caller_clock_leases();
+    store.migrate().await.unwrap();
+    let id = finished(&store, "pay/resent", T0).await;
+    let old_day = (T0 + RETENTION_SECS as Millis * 1000) / DAY_MS + 1;
+
+    let later = T0 + 5 * DAY_MS;
+    let mark = ResendMark {
+        at: later,
+        request_id: Some("op-1".into()),
+    };
+    assert_eq!(
+        store
+            .resend(&id, mark, later + 7 * DAY_MS, later)
+            .await
+            .unwrap(),
+        ResendEffect::Requeued
+    );
+    assert_eq!(
+        server.psql_db(&db, &format!("SELECT count(*) FROM messages_d{old_day}")),
+        "0",
+        "back in the live partition"
+    );
+    // Long past the day it had ended in: the day is dropped, the resent message is not.
+    let past = old_day * DAY_MS + DAY_MS;
+    store.sweep(past).await.unwrap();
+    assert!(!day_partitions(server, &db).contains(&format!("messages_d{old_day}")));
+    let record = store
+        .get(&id)
+        .await
+        .unwrap()
+        .expect("the resent message stays");
+    assert_eq!(record.state, MessageState::Pending);
+    assert_eq!(record.history.len(), 2, "its attempt and the resend's mark");
+    assert_eq!(record.ends_at, None);
+    let leases = store.claim_due(past, 10, 30_000).await.unwrap();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(leases[0].message.id, id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_stores_on_one_database_deliver_each_message_once_in_order_per_key() {
+    let server = PostgresServer::shared();
+    let url = server.fresh_database();
+    let connect = || async {
+        let mut store = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS)
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        std::sync::Arc::new(store)
+    };
+    let stores = [connect().await, connect().await];
+    const KEYS: usize = 12;
+    const PER_KEY: usize = 10;
+    let mut accepted: BTreeMap<String, Vec<MessageId>> = BTreeMap::new();
+    for n in 0..KEYS * PER_KEY {
+        let key = format!("pay/p{}", n % KEYS);
+        let now = T0 + n as Millis;
+        let message = message(&key, None, now);
+        accepted
+            .entry(key.clone())
+            .or_default()
+            .push(message.id.clone());
+        let request = AcceptRequest {
+            dedupe: DedupeClaim {
+                key: format!("{key}/{n}"),
+                ttl_secs: 60,
+                fingerprint: "fp".into(),
+                response: "{}".into(),
+            },
+            message,
+            payment: None,
+            seal: None,
+        };
+        let store = &stores[n % 2];
+        assert_eq!(
+            store.accept(request, now).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+    }
+
+    let delivered = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, MessageId)>::new()));
+    let workers = (0..4).map(|w| {
+        let store = std::sync::Arc::clone(&stores[w % 2]);
+        let delivered = std::sync::Arc::clone(&delivered);
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let now = T0 + 10_000;
+            while delivered.lock().unwrap().len() < KEYS * PER_KEY {
+                assert!(Instant::now() < deadline, "not all delivered in time");
+                let leases = store.claim_due(now, 3, 30_000).await.expect("claims");
+                for lease in leases {
+                    delivered
+                        .lock()
+                        .unwrap()
+                        .push((lease.message.ordering_key.clone(), lease.message.id.clone()));
+                    let HistoryEntry::Delivery(attempt) = attempt(1, now, 200) else {
+                        unreachable!("a delivery")
+                    };
+                    let done = store
+                        .complete(&lease, attempt, Completion::Delivered, now)
+                        .await
+                        .expect("completes");
+                    assert!(done, "the lease holds");
+                }
+            }
+        })
+    });
+    for worker in futures::future::join_all(workers).await {
+        worker.expect("a worker");
+    }
+    let delivered = delivered.lock().unwrap().clone();
+    assert_eq!(delivered.len(), KEYS * PER_KEY, "each message once");
+    let mut per_key: BTreeMap<String, Vec<MessageId>> = BTreeMap::new();
+    for (key, id) in delivered {
+        per_key.entry(key).or_default().push(id);
+    }
+    assert_eq!(per_key, accepted, "in acceptance order per key");
+    assert_eq!(stores[0].depth().await.unwrap(), QueueDepth::default());
 }
