@@ -21,6 +21,8 @@
 //!   after its acceptance). Past its end a thing counts as gone; [`sweep`] deletes it
 //!   (docs/storage.md, "Retention").
 
+pub mod policy;
+
 use std::collections::{BTreeMap, VecDeque};
 
 use super::{
