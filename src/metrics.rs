@@ -103,7 +103,8 @@ macro_rules! labels_of {
 }
 
 const DEATH_REASONS: [&str; DeathReason::ALL.len()] = labels_of!(DeathReason);
-/// An alert of one death has its reason; a digest covers many.
+/// An alert of one death has its reason; a digest covers many: the death reasons, then
+/// `digest`.
 const ALERT_REASONS: [&str; DeathReason::ALL.len() + 1] = {
     let mut reasons = ["digest"; DeathReason::ALL.len() + 1];
     let mut i = 0;
