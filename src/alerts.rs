@@ -28,6 +28,7 @@ use crate::config::AlertSettings;
 use crate::digest::short_hash;
 use crate::redact::display_url;
 use crate::ssrf::SsrfGuard;
+use crate::store::lifecycle::policy::DeathReason;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
     Partitions,
@@ -47,24 +48,6 @@ const ORDERING_PREFIX: &str = "alert/";
 /// Whether a message is a dead-letter alert.
 pub fn is_alert(message: &NewMessage) -> bool {
     message.ordering_key.starts_with(ORDERING_PREFIX)
-}
-
-/// Why a message went dead.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeathReason {
-    /// The receiver answered 410 Gone.
-    Gone,
-    /// The delivery window ran out.
-    Expired,
-}
-
-impl DeathReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeathReason::Gone => "gone",
-            DeathReason::Expired => "expired",
-        }
-    }
 }
 
 /// The configured alert target, ready to make alert messages.
@@ -204,6 +187,10 @@ impl Alerts {
 
     /// The alert announcing the deaths `digest` counted, into a store of `partitions`.
     pub fn digest(&self, digest: &Digest, now: Millis, partitions: Partitions) -> AcceptRequest {
+        let reasons: Map<String, Value> = DeathReason::ALL
+            .into_iter()
+            .map(|reason| (reason.as_str().to_string(), json!(digest.deaths(reason))))
+            .collect();
         let body = json!({
             "type": DIGEST_EVENT,
             "timestamp": format_iso(now),
@@ -211,7 +198,7 @@ impl Alerts {
                 "from": format_iso(digest.from),
                 "to": format_iso(digest.to),
                 "count": digest.count,
-                "reasons": {"gone": digest.gone, "expired": digest.expired},
+                "reasons": reasons,
                 "messageIds": digest.sample,
                 "consoleUrl": format!("{}/console/messages?state=dead", self.console_base),
             },
@@ -294,6 +281,16 @@ pub struct Digest {
     pub expired: u64,
     /// The first [`DIGEST_SAMPLE`] ids.
     pub sample: Vec<String>,
+}
+
+impl Digest {
+    /// The deaths it counts for `reason`.
+    pub fn deaths(&self, reason: DeathReason) -> u64 {
+        match reason {
+            DeathReason::Gone => self.gone,
+            DeathReason::Expired => self.expired,
+        }
+    }
 }
 
 impl AlertBudget {

@@ -250,7 +250,7 @@ async fn open_store_patiently(
     settings: &StoreSettings,
     shutdown: &CancellationToken,
 ) -> Result<Option<Arc<dyn Store>>, StartError> {
-    let backoff = dispatch::schedule::Backoff {
+    let backoff = store::lifecycle::policy::Backoff {
         initial_ms: 250,
         max_ms: 5_000,
     };
@@ -261,7 +261,7 @@ async fn open_store_patiently(
             Err(StartError::Store(StoreError::Unreachable(why))) => why,
             Err(refused) => return Err(refused),
         };
-        let base = dispatch::schedule::base_delay_ms(backoff, step);
+        let base = store::lifecycle::policy::base_delay_ms(backoff, step);
         let delay = Duration::from_millis(base - rand::random_range(0..=base / 2));
         tracing::warn!(
             error = %why,
