@@ -6,8 +6,8 @@
 //!   become statuses in `http/error.rs`. Nothing below `http` imports it;
 //! - `webhook/`: the header names and the signature schemes, verified and signed;
 //! - `inbound/accept.rs` (a verified callback) and `handoff.rs` (a connector's notification,
-//!   which it checks): the accept request each becomes, pure; `inbound/dedupe.rs` and
-//!   `payment.rs` the rules they apply;
+//!   whose fields it checks): the accept request each becomes, pure (but for the DNS lookup
+//!   of a `callbackUrl`'s host); `inbound/dedupe.rs` and `payment.rs` the rules they apply;
 //! - `operations/`: the admin API's use cases: a listing's filters and the store filter they
 //!   become (`messages.rs`), and the resend (`resend/`: its `requestId`, the walk detached
 //!   from the request, the dry run);

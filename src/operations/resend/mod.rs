@@ -290,6 +290,9 @@ mod tests {
         Some(ids.iter().map(|id| MessageId::parse(id).unwrap()).collect())
     }
 
+    const FINGERPRINT_BY_IDS: &str = "ZCYNVgIZCVCR9RZ1SozjKg";
+    const FINGERPRINT_BY_WINDOW: &str = "ppgAi6j6YjRhwSKeH9929A";
+
     /// Fingerprints are recorded with their `requestId`: a release that computed them
     /// otherwise would answer a client's retry across an upgrade with a 422. These are the
     /// values the request's JSON fields gave when the fingerprint was taken from them.
@@ -323,9 +326,6 @@ mod tests {
         };
         assert_eq!(reordered.fingerprint(), by_ids.fingerprint());
     }
-
-    const FINGERPRINT_BY_IDS: &str = "ZCYNVgIZCVCR9RZ1SozjKg";
-    const FINGERPRINT_BY_WINDOW: &str = "ppgAi6j6YjRhwSKeH9929A";
 
     #[test]
     fn a_resend_needs_a_selector() {
