@@ -1,11 +1,16 @@
 //! callbackd: makes payment callbacks safe to retry. This file wires the parts together.
 //!
 //! The map (ARCHITECTURE.md has the long version):
-//! - `http/`: thin handlers that authenticate, read, parse and map an outcome to an answer;
+//! - `http/`: thin handlers that authenticate (`http/auth.rs`'s `Admin` and `Connector`
+//!   extractors), read and parse, call one use case and map its outcome to an answer; errors
+//!   become statuses in `http/error.rs`. Nothing below `http` imports it;
 //! - `webhook/`: the header names and the signature schemes, verified and signed;
-//! - `inbound/accept.rs` (a verified callback) and `handoff.rs` (a connector's notification):
-//!   the accept request each becomes, pure; `inbound/dedupe.rs` and `payment.rs` the rules
-//!   they apply;
+//! - `inbound/accept.rs` (a verified callback) and `handoff.rs` (a connector's notification,
+//!   whose fields it checks): the accept request each becomes, pure (but for the DNS lookup
+//!   of a `callbackUrl`'s host); `inbound/dedupe.rs` and `payment.rs` the rules they apply;
+//! - `operations/`: the admin API's use cases: a listing's filters and the store filter they
+//!   become (`messages.rs`), and the resend (`resend/`: its `requestId`, the walk detached
+//!   from the request, the dry run);
 //! - `store/`: the one seam to storage, each state change one atomic step with `now` from the
 //!   caller; `store/lifecycle.rs` states the message lifecycle once, in plain Rust, and the
 //!   engines, `store/sqlite/` and `store/redis/`, are held to it;
@@ -29,6 +34,7 @@ pub mod handoff;
 pub mod http;
 pub mod inbound;
 pub mod metrics;
+pub mod operations;
 pub mod payment;
 pub mod redact;
 pub mod ssrf;
