@@ -72,8 +72,6 @@ pub struct HandOff {
     pub headers: Option<BTreeMap<String, String>>,
     /// A shorter delivery window, in seconds.
     pub max_age_secs: Option<u64>,
-    /// The `Idempotency-Key` header, when sent.
-    pub idempotency_key: Option<String>,
     /// The request as parsed: what its fingerprint is taken from.
     pub request: Value,
 }
@@ -98,22 +96,28 @@ fn invalid(field: &'static str, problem: impl std::fmt::Display) -> HandOffError
     }
 }
 
-/// The accept request of `hand_off`, handed off at `now`, once every field is checked. Its
-/// notification carries the trace context of `request_headers` (else a valid one among the
-/// connector's headers).
-pub async fn accept(
+/// Checks every field of `hand_off`, in the order the document lists them: only a checked
+/// hand-off can be accepted.
+pub async fn check(settings: &Settings, hand_off: HandOff) -> Result<Notification, HandOffError> {
+    hand_off.check(settings).await
+}
+
+/// The accept request of `notification` under the connector's `Idempotency-Key`, if sent,
+/// handed off at `now`. It carries the trace context of `request_headers` (else a valid one
+/// among the connector's headers).
+pub fn accept(
     settings: &Settings,
-    hand_off: HandOff,
+    mut notification: Notification,
+    idempotency_key: Option<String>,
     request_headers: &HeaderMap,
     now: Millis,
 ) -> Result<AcceptRequest, HandOffError> {
-    let mut notification = hand_off.check(settings).await?;
+    notification.idempotency_key = idempotency_key;
     crate::trace::carry(request_headers, &mut notification.headers);
     Ok(accept_request(settings, notification, now)?)
 }
 
 impl HandOff {
-    /// Checks every field, in the order the document lists them.
     async fn check(self, settings: &Settings) -> Result<Notification, HandOffError> {
         // Characters, not bytes: what the document's `maxLength` counts.
         let len = self.payment_id.chars().count();
@@ -161,7 +165,7 @@ impl HandOff {
             payload: self.payload,
             headers: self.headers.unwrap_or_default(),
             window: self.max_age_secs.map(Duration::from_secs),
-            idempotency_key: self.idempotency_key,
+            idempotency_key: None,
             request: self.request,
         })
     }
@@ -192,7 +196,7 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), HandOffError>
 /// `callbackUrl` may be reached, the headers may be set and the window is within
 /// [`Settings::max_window`].
 #[derive(Debug, Clone)]
-struct Notification {
+pub struct Notification {
     payment_id: String,
     to: PaymentStatus,
     /// Delivered to byte for byte (the gateway signs it).
@@ -424,7 +428,6 @@ mod tests {
             payload: None,
             headers: serde_json::from_value(request["headers"].clone()).unwrap(),
             max_age_secs: request["maxAgeSecs"].as_u64(),
-            idempotency_key: None,
             request,
         }
     }
@@ -468,7 +471,7 @@ mod tests {
             ),
         ];
         for (settings, request, expected) in cases {
-            let refused = accept(&settings, hand_off(&request), &HeaderMap::new(), NOW).await;
+            let refused = check(&settings, hand_off(&request)).await;
             let message = refused.unwrap_err().to_string();
             assert!(message.starts_with(expected), "{request}: {message}");
         }
@@ -480,9 +483,8 @@ mod tests {
         let mut request_headers = HeaderMap::new();
         request_headers.insert(crate::trace::TRACEPARENT, trace.parse().unwrap());
         let request = APPROVED.replace('}', r#", "headers": {"X-App": "k"}}"#);
-        let accepted = accept(&OPEN, hand_off(&request), &request_headers, NOW)
-            .await
-            .unwrap();
+        let checked = check(&OPEN, hand_off(&request)).await.unwrap();
+        let accepted = accept(&OPEN, checked, None, &request_headers, NOW).unwrap();
         assert_eq!(
             accepted.message.headers,
             BTreeMap::from([

@@ -124,7 +124,6 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<Recorded, 
         payload: req.payload,
         headers: req.headers,
         max_age_secs: req.max_age_secs,
-        idempotency_key: idempotency_key(headers)?,
         request: value,
     };
     let settings = handoff::Settings {
@@ -133,8 +132,11 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<Recorded, 
         partitions: app.store.partitions(),
         callback_ssrf: app.settings.dispatch.callback_ssrf,
     };
+    let notification = handoff::check(&settings, hand_off).await?;
+    // After the fields, as the document lists them: a request wrong in both names the field.
+    let key = idempotency_key(headers)?;
     let now = app.clock.now_ms();
-    let request = handoff::accept(&settings, hand_off, headers, now).await?;
+    let request = handoff::accept(&settings, notification, key, headers, now)?;
     record(app, request, now).await
 }
 
