@@ -286,11 +286,8 @@ fn accept_request(
         seal: None,
         payment: Some(PaymentTransition {
             payment_id,
-            to: to.to_string(),
-            allowed_from: payment::allowed_from(to)
-                .into_iter()
-                .map(|s| s.to_string())
-                .collect(),
+            to,
+            allowed_from: payment::allowed_from(to),
         }),
     })
 }
@@ -345,8 +342,8 @@ mod tests {
             request.payment,
             Some(PaymentTransition {
                 payment_id: "p1".into(),
-                to: "approved".into(),
-                allowed_from: vec!["undefined".into()],
+                to: PaymentStatus::Approved,
+                allowed_from: vec![PaymentStatus::Undefined],
             })
         );
         assert_eq!(request.seal, None);
@@ -381,7 +378,7 @@ mod tests {
         assert_eq!(request.message.deadline, NOW + 60_000);
         assert!(request.dedupe.response.contains(&format_iso(NOW + 60_000)));
         let payment = request.payment.unwrap();
-        assert_eq!(payment.allowed_from, vec!["approved".to_string()]);
+        assert_eq!(payment.allowed_from, vec![PaymentStatus::Approved]);
     }
 
     #[test]

@@ -12,8 +12,9 @@
 //!   become (`messages.rs`), and the resend (`resend/`: its `requestId`, the walk detached
 //!   from the request, the dry run);
 //! - `store/`: the one seam to storage, each state change one atomic step with `now` from the
-//!   caller; `store/lifecycle.rs` states the message lifecycle once, in plain Rust, and the
-//!   engines, `store/sqlite/` and `store/redis/`, are held to it;
+//!   caller; `store/lifecycle/` decides the message lifecycle once, in plain Rust (its rules
+//!   return effects, its policy says what an answer means), and the engines,
+//!   `store/sqlite/` and `store/redis/`, apply what it decides;
 //! - `dispatch/`: the workers that claim, deliver and complete, within per-host slots
 //!   (`dispatch/hosts.rs`); `ssrf.rs` the addresses a delivery may reach;
 //! - `config/`: the file, its checks and the typed settings built from it once;

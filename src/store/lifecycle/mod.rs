@@ -33,9 +33,9 @@ mod rules;
 pub use effect::{Changes, Effect, Field, Guard, QueueMove, Snapshot};
 pub use model::{Message, Model};
 pub use rules::{
-    AcceptDecision, AcceptPlan, AcceptRead, AfterAttempt, Lifetimes, LiveClaim, UNSEEN_PAYMENT,
-    accept, accept_plan, after_attempt, claim, complete, expire_lease, holds, release, resend,
-    resend_skips, sweep, transition,
+    AcceptDecision, AcceptPlan, AcceptRead, AfterAttempt, Lifetimes, LiveClaim, accept,
+    accept_plan, after_attempt, claim, complete, expire_lease, holds, release, resend,
+    resend_skips, sweep,
 };
 
 #[cfg(test)]
