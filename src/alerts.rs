@@ -26,6 +26,7 @@ use serde_json::{Map, Value, json};
 use crate::clock::{Millis, format_iso};
 use crate::config::AlertSettings;
 use crate::digest::short_hash;
+use crate::ordering::OrderingKey;
 use crate::redact::display_url;
 use crate::ssrf::SsrfGuard;
 use crate::store::lifecycle::policy::DeathReason;
@@ -41,13 +42,10 @@ pub const DEAD_EVENT: &str = "message.dead";
 pub const DIGEST_EVENT: &str = "message.dead.digest";
 /// Message ids a digest lists; its counts cover every death.
 pub const DIGEST_SAMPLE: usize = 20;
-/// Ordering keys of alert messages start with this: each alert is its own key, so one slow
+/// Whether a message is a dead-letter alert. Each alert is its own ordering key, so one slow
 /// alert receiver never holds another alert back, and a dead alert is known as one.
-const ORDERING_PREFIX: &str = "alert/";
-
-/// Whether a message is a dead-letter alert.
 pub fn is_alert(message: &NewMessage) -> bool {
-    message.ordering_key.starts_with(ORDERING_PREFIX)
+    crate::ordering::is_alert(&message.ordering_key)
 }
 
 /// The configured alert target, ready to make alert messages.
@@ -175,7 +173,7 @@ impl Alerts {
         // One alert per death: a repeat of the same attempt (after a crash) replays.
         let dedupe_key = short_hash(format!("alert\n{}\n{}", dead.id, attempt.attempt).as_bytes());
         Some(self.request(
-            format!("{ORDERING_PREFIX}{}", dead.id),
+            OrderingKey::Alert(dead.id.as_str()).to_string(),
             DEAD_EVENT,
             body,
             headers,
@@ -208,7 +206,7 @@ impl Alerts {
         let nonce = format!("{:032x}", rand::random::<u128>());
         let dedupe_key = short_hash(format!("alert-digest\n{nonce}").as_bytes());
         self.request(
-            format!("{ORDERING_PREFIX}digest/{nonce}"),
+            OrderingKey::Alert(&format!("digest/{nonce}")).to_string(),
             DIGEST_EVENT,
             body,
             Default::default(),

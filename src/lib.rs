@@ -7,7 +7,8 @@
 //! - `webhook/`: the header names and the signature schemes, verified and signed;
 //! - `inbound/accept.rs` (a verified callback) and `handoff.rs` (a connector's notification,
 //!   whose fields it checks): the accept request each becomes, pure (but for the DNS lookup
-//!   of a `callbackUrl`'s host); `inbound/dedupe.rs` and `payment.rs` the rules they apply;
+//!   of a `callbackUrl`'s host); `inbound/dedupe.rs` and `payment.rs` the rules they apply,
+//!   `ordering.rs` the ordering key each files its message under;
 //! - `operations/`: the admin API's use cases: a listing's filters and the store filter they
 //!   become (`messages.rs`), and the resend (`resend/`: its `requestId`, the walk detached
 //!   from the request, the dry run);
@@ -36,6 +37,7 @@ pub mod http;
 pub mod inbound;
 pub mod metrics;
 pub mod operations;
+pub mod ordering;
 pub mod payment;
 pub mod redact;
 pub mod ssrf;
