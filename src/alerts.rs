@@ -26,8 +26,10 @@ use serde_json::{Map, Value, json};
 use crate::clock::{Millis, format_iso};
 use crate::config::AlertSettings;
 use crate::digest::short_hash;
+use crate::ordering::OrderingKey;
 use crate::redact::display_url;
 use crate::ssrf::SsrfGuard;
+use crate::store::lifecycle::policy::DeathReason;
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
     Partitions,
@@ -40,31 +42,10 @@ pub const DEAD_EVENT: &str = "message.dead";
 pub const DIGEST_EVENT: &str = "message.dead.digest";
 /// Message ids a digest lists; its counts cover every death.
 pub const DIGEST_SAMPLE: usize = 20;
-/// Ordering keys of alert messages start with this: each alert is its own key, so one slow
+/// Whether a message is a dead-letter alert. Each alert is its own ordering key, so one slow
 /// alert receiver never holds another alert back, and a dead alert is known as one.
-const ORDERING_PREFIX: &str = "alert/";
-
-/// Whether a message is a dead-letter alert.
 pub fn is_alert(message: &NewMessage) -> bool {
-    message.ordering_key.starts_with(ORDERING_PREFIX)
-}
-
-/// Why a message went dead.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeathReason {
-    /// The receiver answered 410 Gone.
-    Gone,
-    /// The delivery window ran out.
-    Expired,
-}
-
-impl DeathReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeathReason::Gone => "gone",
-            DeathReason::Expired => "expired",
-        }
-    }
+    crate::ordering::is_alert(&message.ordering_key)
 }
 
 /// The configured alert target, ready to make alert messages.
@@ -192,7 +173,7 @@ impl Alerts {
         // One alert per death: a repeat of the same attempt (after a crash) replays.
         let dedupe_key = short_hash(format!("alert\n{}\n{}", dead.id, attempt.attempt).as_bytes());
         Some(self.request(
-            format!("{ORDERING_PREFIX}{}", dead.id),
+            OrderingKey::Alert(dead.id.as_str()).to_string(),
             DEAD_EVENT,
             body,
             headers,
@@ -204,6 +185,10 @@ impl Alerts {
 
     /// The alert announcing the deaths `digest` counted, into a store of `partitions`.
     pub fn digest(&self, digest: &Digest, now: Millis, partitions: Partitions) -> AcceptRequest {
+        let reasons: Map<String, Value> = DeathReason::ALL
+            .into_iter()
+            .map(|reason| (reason.as_str().to_string(), json!(digest.deaths(reason))))
+            .collect();
         let body = json!({
             "type": DIGEST_EVENT,
             "timestamp": format_iso(now),
@@ -211,7 +196,7 @@ impl Alerts {
                 "from": format_iso(digest.from),
                 "to": format_iso(digest.to),
                 "count": digest.count,
-                "reasons": {"gone": digest.gone, "expired": digest.expired},
+                "reasons": reasons,
                 "messageIds": digest.sample,
                 "consoleUrl": format!("{}/console/messages?state=dead", self.console_base),
             },
@@ -221,7 +206,7 @@ impl Alerts {
         let nonce = format!("{:032x}", rand::random::<u128>());
         let dedupe_key = short_hash(format!("alert-digest\n{nonce}").as_bytes());
         self.request(
-            format!("{ORDERING_PREFIX}digest/{nonce}"),
+            OrderingKey::Alert(&format!("digest/{nonce}")).to_string(),
             DIGEST_EVENT,
             body,
             Default::default(),
@@ -294,6 +279,16 @@ pub struct Digest {
     pub expired: u64,
     /// The first [`DIGEST_SAMPLE`] ids.
     pub sample: Vec<String>,
+}
+
+impl Digest {
+    /// The deaths it counts for `reason`.
+    pub fn deaths(&self, reason: DeathReason) -> u64 {
+        match reason {
+            DeathReason::Gone => self.gone,
+            DeathReason::Expired => self.expired,
+        }
+    }
 }
 
 impl AlertBudget {

@@ -97,6 +97,14 @@ pub fn parse_rfc3339(s: &str) -> Option<Millis> {
     Millis::try_from(at.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
+/// Parses an HTTP date (RFC 9110: IMF-fixdate, or the obsolete RFC 850 and asctime forms), as
+/// `Retry-After` may carry one. A date before the epoch reads as the epoch.
+pub fn parse_http_date(s: &str) -> Option<Millis> {
+    let at = httpdate::parse_http_date(s).ok()?;
+    let since_epoch = at.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    Some(Millis::try_from(since_epoch.as_millis()).unwrap_or(Millis::MAX))
+}
+
 /// `now + span`, saturating: the one place a setting's `Duration` becomes a point in time (a
 /// delivery window's deadline, a signature seal's expiry).
 pub fn deadline(now: Millis, span: Duration) -> Millis {

@@ -1,8 +1,10 @@
-//! A connector's hand-off (`POST /v1/notifications`) becomes an accept request: the claim of
-//! its idempotency key with the answer every repeat gets, the notification to deliver to the
-//! gateway's `callbackUrl`, and the payment's compare-and-set (§1.3), recorded by one
-//! `Store::accept` in one atomic step. Pure: the handler checks the request and reads the
-//! clock, this decides what is recorded.
+//! A connector's hand-off (`POST /v1/notifications`) is checked, then becomes an accept
+//! request: the claim of its idempotency key with the answer every repeat gets, the
+//! notification to deliver to the gateway's `callbackUrl`, and the payment's compare-and-set
+//! (§1.3), recorded by one `Store::accept` in one atomic step. The handler parses the request
+//! and reads the clock; this checks it and decides what is recorded. Pure but for one DNS
+//! lookup: whether the `callbackUrl`'s host resolves to an address a delivery may reach
+//! (`ssrf.rs`).
 //!
 //! The idempotency key is `paymentId + status`, or the `Idempotency-Key` header scoped to the
 //! payment. The fingerprint is the request's JSON, so the same key with another body is a
@@ -11,6 +13,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
@@ -19,9 +22,29 @@ use crate::clock::deadline;
 use crate::clock::{Millis, format_iso};
 use crate::digest::short_hash;
 use crate::payment::{self, PaymentStatus};
+use crate::ssrf::{SsrfError, SsrfGuard};
 use crate::store::{
     AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions, PaymentTransition,
 };
+use crate::webhook::{ATTEMPT_HEADER, MESSAGE_ID_HEADER};
+
+/// Longest `paymentId`, in characters.
+pub const MAX_ID_LEN: usize = 256;
+/// Most `headers` one notification may carry.
+pub const MAX_HEADERS: usize = 32;
+/// Headers a connector may not set: they belong to the HTTP exchange or to callbackd.
+pub const RESERVED_HEADERS: [&str; 7] = [
+    "host",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "connection",
+    MESSAGE_ID_HEADER,
+    ATTEMPT_HEADER,
+];
+/// How long the `callbackUrl`'s host may take to resolve; one that does not resolve in time
+/// is let through, and delivery checks it again.
+const DNS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What accepting a hand-off takes from the settings.
 #[derive(Debug, Clone, Copy)]
@@ -33,6 +56,140 @@ pub struct Settings {
     pub dedupe_ttl: Duration,
     /// The store's partition count, which the message id embeds.
     pub partitions: Partitions,
+    /// Which addresses a `callbackUrl` may reach (`dispatch.allow_private_networks`).
+    pub callback_ssrf: SsrfGuard,
+}
+
+/// A hand-off as the connector sent it: parsed, not checked yet.
+#[derive(Debug, Clone)]
+pub struct HandOff {
+    pub payment_id: String,
+    /// The payment status it moves to, as written.
+    pub status: String,
+    pub callback_url: String,
+    pub payload: Option<Map<String, Value>>,
+    /// The connector's headers for every attempt.
+    pub headers: Option<BTreeMap<String, String>>,
+    /// A shorter delivery window, in seconds.
+    pub max_age_secs: Option<u64>,
+    /// The request as parsed: what its fingerprint is taken from.
+    pub request: Value,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandOffError {
+    /// A field breaks a rule; `field` is its name in the request.
+    #[error("`{field}`: {problem}")]
+    Invalid {
+        field: &'static str,
+        problem: String,
+    },
+    /// The answer could not be written as JSON (its shape cannot fail to).
+    #[error(transparent)]
+    Answer(#[from] serde_json::Error),
+}
+
+fn invalid(field: &'static str, problem: impl std::fmt::Display) -> HandOffError {
+    HandOffError::Invalid {
+        field,
+        problem: problem.to_string(),
+    }
+}
+
+/// Checks every field of `hand_off`, in the order the document lists them: only a checked
+/// hand-off can be accepted.
+pub async fn check(settings: &Settings, hand_off: HandOff) -> Result<Notification, HandOffError> {
+    hand_off.check(settings).await
+}
+
+/// The accept request of `notification` under the connector's `Idempotency-Key`, if sent,
+/// handed off at `now`. It carries the trace context of `request_headers` (else a valid one
+/// among the connector's headers).
+pub fn accept(
+    settings: &Settings,
+    mut notification: Notification,
+    idempotency_key: Option<String>,
+    request_headers: &HeaderMap,
+    now: Millis,
+) -> Result<AcceptRequest, HandOffError> {
+    notification.idempotency_key = idempotency_key;
+    crate::trace::carry(request_headers, &mut notification.headers);
+    Ok(accept_request(settings, notification, now)?)
+}
+
+impl HandOff {
+    async fn check(self, settings: &Settings) -> Result<Notification, HandOffError> {
+        // Characters, not bytes: what the document's `maxLength` counts.
+        let len = self.payment_id.chars().count();
+        if len == 0 || len > MAX_ID_LEN {
+            return Err(invalid(
+                "paymentId",
+                format!("must be 1 to {MAX_ID_LEN} characters"),
+            ));
+        }
+        let to = PaymentStatus::parse(&self.status).ok_or_else(|| {
+            let valid: Vec<&str> = PaymentStatus::ALL.iter().map(|s| s.as_str()).collect();
+            invalid(
+                "status",
+                format!("`{}` is not one of {}", self.status, valid.join(", ")),
+            )
+        })?;
+        settings
+            .callback_ssrf
+            .check_url(&self.callback_url, DNS_TIMEOUT)
+            .await
+            .map_err(|e| {
+                // The answer does not say what the host resolved to; the operator's log does.
+                if let SsrfError::Forbidden { host, addr } = &e {
+                    tracing::info!(%host, %addr, "callbackUrl refused by the SSRF guard");
+                }
+                invalid("callbackUrl", e)
+            })?;
+        if let Some(headers) = &self.headers {
+            check_headers(headers)?;
+        }
+        // `maxAgeSecs` counts in whole seconds, as `dispatch.max_age_secs` does.
+        let most = settings.max_window.as_secs();
+        if let Some(max_age) = self.max_age_secs
+            && (max_age == 0 || max_age > most)
+        {
+            return Err(invalid(
+                "maxAgeSecs",
+                format!("must be 1 to {most} (dispatch.max_age_secs)"),
+            ));
+        }
+        Ok(Notification {
+            payment_id: self.payment_id,
+            to,
+            callback_url: self.callback_url,
+            payload: self.payload,
+            headers: self.headers.unwrap_or_default(),
+            window: self.max_age_secs.map(Duration::from_secs),
+            idempotency_key: None,
+            request: self.request,
+        })
+    }
+}
+
+/// A connector's headers: few enough, each a valid header that callbackd does not set.
+fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), HandOffError> {
+    if headers.len() > MAX_HEADERS {
+        return Err(invalid("headers", format!("at most {MAX_HEADERS} headers")));
+    }
+    for (name, value) in headers {
+        let parsed = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| invalid("headers", format!("`{name}` is not a header name")))?;
+        if RESERVED_HEADERS.contains(&parsed.as_str()) {
+            return Err(invalid("headers", format!("`{name}` is set by callbackd")));
+        }
+        HeaderValue::from_str(value).map_err(|_| {
+            invalid(
+                "headers",
+                format!("value of `{name}` is not a valid header value"),
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// A hand-off whose every field was checked: the status is a payment status, the
@@ -40,20 +197,20 @@ pub struct Settings {
 /// [`Settings::max_window`].
 #[derive(Debug, Clone)]
 pub struct Notification {
-    pub payment_id: String,
-    pub to: PaymentStatus,
+    payment_id: String,
+    to: PaymentStatus,
     /// Delivered to byte for byte (the gateway signs it).
-    pub callback_url: String,
+    callback_url: String,
     /// The body to deliver; `{"paymentId", "status"}` when absent.
-    pub payload: Option<Map<String, Value>>,
+    payload: Option<Map<String, Value>>,
     /// Headers sent with every attempt (the connector's, and the trace context).
-    pub headers: BTreeMap<String, String>,
+    headers: BTreeMap<String, String>,
     /// A shorter delivery window, when asked for.
-    pub window: Option<Duration>,
+    window: Option<Duration>,
     /// The `Idempotency-Key` header, when sent.
-    pub idempotency_key: Option<String>,
+    idempotency_key: Option<String>,
     /// The request as parsed: what its fingerprint is taken from.
-    pub request: Value,
+    request: Value,
 }
 
 // The answer to an accepted hand-off. It is stored with the claim, so a repeat gets these
@@ -69,7 +226,7 @@ pub struct NotificationAccepted {
 }
 
 /// The accept request of `notification`, handed off at `now`.
-pub fn accept_request(
+fn accept_request(
     settings: &Settings,
     notification: Notification,
     now: Millis,
@@ -129,11 +286,8 @@ pub fn accept_request(
         seal: None,
         payment: Some(PaymentTransition {
             payment_id,
-            to: to.to_string(),
-            allowed_from: payment::allowed_from(to)
-                .into_iter()
-                .map(|s| s.to_string())
-                .collect(),
+            to,
+            allowed_from: payment::allowed_from(to),
         }),
     })
 }
@@ -148,6 +302,9 @@ mod tests {
         max_window: WEEK,
         dedupe_ttl: Duration::from_secs(30 * 86_400),
         partitions: Partitions::DEFAULT,
+        callback_ssrf: SsrfGuard {
+            allow_private: false,
+        },
     };
 
     fn notification(request: &str) -> Notification {
@@ -185,8 +342,8 @@ mod tests {
             request.payment,
             Some(PaymentTransition {
                 payment_id: "p1".into(),
-                to: "approved".into(),
-                allowed_from: vec!["undefined".into()],
+                to: PaymentStatus::Approved,
+                allowed_from: vec![PaymentStatus::Undefined],
             })
         );
         assert_eq!(request.seal, None);
@@ -221,7 +378,7 @@ mod tests {
         assert_eq!(request.message.deadline, NOW + 60_000);
         assert!(request.dedupe.response.contains(&format_iso(NOW + 60_000)));
         let payment = request.payment.unwrap();
-        assert_eq!(payment.allowed_from, vec!["approved".to_string()]);
+        assert_eq!(payment.allowed_from, vec![PaymentStatus::Approved]);
     }
 
     #[test]
@@ -257,5 +414,80 @@ mod tests {
         assert_eq!(fingerprint(APPROVED), fingerprint(reordered));
         let other_url = APPROVED.replace("abc", "abd");
         assert_ne!(fingerprint(APPROVED), fingerprint(&other_url));
+    }
+
+    fn hand_off(request: &str) -> HandOff {
+        let request: Value = serde_json::from_str(request).unwrap();
+        HandOff {
+            payment_id: request["paymentId"].as_str().unwrap().to_string(),
+            status: request["status"].as_str().unwrap().to_string(),
+            callback_url: request["callbackUrl"].as_str().unwrap().to_string(),
+            payload: None,
+            headers: serde_json::from_value(request["headers"].clone()).unwrap(),
+            max_age_secs: request["maxAgeSecs"].as_u64(),
+            request,
+        }
+    }
+
+    /// Settings that let any `callbackUrl` host through, so no test looks a name up.
+    const OPEN: Settings = Settings {
+        callback_ssrf: SsrfGuard {
+            allow_private: true,
+        },
+        ..SETTINGS
+    };
+
+    #[tokio::test]
+    async fn a_hand_off_is_checked_field_by_field_and_the_refusal_names_the_field() {
+        let cases = [
+            (
+                OPEN,
+                APPROVED.replace("\"p1\"", "\"\""),
+                "`paymentId`: must be 1 to 256",
+            ),
+            (
+                OPEN,
+                APPROVED.replace("approved", "paid"),
+                "`status`: `paid` is not one of",
+            ),
+            (OPEN, APPROVED.replace("https:", "ftp:"), "`callbackUrl`: "),
+            (
+                SETTINGS,
+                APPROVED.replace("https://gw.example", "http://127.0.0.1"),
+                "`callbackUrl`: ",
+            ),
+            (
+                OPEN,
+                APPROVED.replace('}', r#", "headers": {"Content-Type": "x"}}"#),
+                "`headers`: `Content-Type` is set by callbackd",
+            ),
+            (
+                OPEN,
+                APPROVED.replace('}', r#", "maxAgeSecs": 604801}"#),
+                "`maxAgeSecs`: must be 1 to 604800 (dispatch.max_age_secs)",
+            ),
+        ];
+        for (settings, request, expected) in cases {
+            let refused = check(&settings, hand_off(&request)).await;
+            let message = refused.unwrap_err().to_string();
+            assert!(message.starts_with(expected), "{request}: {message}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_checked_hand_off_carries_the_requests_trace_context() {
+        let trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut request_headers = HeaderMap::new();
+        request_headers.insert(crate::trace::TRACEPARENT, trace.parse().unwrap());
+        let request = APPROVED.replace('}', r#", "headers": {"X-App": "k"}}"#);
+        let checked = check(&OPEN, hand_off(&request)).await.unwrap();
+        let accepted = accept(&OPEN, checked, None, &request_headers, NOW).unwrap();
+        assert_eq!(
+            accepted.message.headers,
+            BTreeMap::from([
+                ("X-App".to_string(), "k".to_string()),
+                (crate::trace::TRACEPARENT.to_string(), trace.to_string()),
+            ])
+        );
     }
 }

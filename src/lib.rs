@@ -1,14 +1,21 @@
 //! callbackd: makes payment callbacks safe to retry. This file wires the parts together.
 //!
 //! The map (ARCHITECTURE.md has the long version):
-//! - `http/`: thin handlers that authenticate, read, parse and map an outcome to an answer;
+//! - `http/`: thin handlers that authenticate (`http/auth.rs`'s `Admin` and `Connector`
+//!   extractors), read and parse, call one use case and map its outcome to an answer; errors
+//!   become statuses in `http/error.rs`. Nothing below `http` imports it;
 //! - `webhook/`: the header names and the signature schemes, verified and signed;
-//! - `inbound/accept.rs` (a verified callback) and `handoff.rs` (a connector's notification):
-//!   the accept request each becomes, pure; `inbound/dedupe.rs` and `payment.rs` the rules
-//!   they apply;
+//! - `inbound/accept.rs` (a verified callback) and `handoff.rs` (a connector's notification,
+//!   whose fields it checks): the accept request each becomes, pure (but for the DNS lookup
+//!   of a `callbackUrl`'s host); `inbound/dedupe.rs` and `payment.rs` the rules they apply,
+//!   `ordering.rs` the ordering key each files its message under;
+//! - `operations/`: the admin API's use cases: a listing's filters and the store filter they
+//!   become (`messages.rs`), and the resend (`resend/`: its `requestId`, the walk detached
+//!   from the request, the dry run);
 //! - `store/`: the one seam to storage, each state change one atomic step with `now` from the
-//!   caller; `store/lifecycle.rs` states the message lifecycle once, in plain Rust, and the
-//!   engines, `store/sqlite/`, `store/redis/` and `store/postgres/`, are held to it;
+//!   caller; `store/lifecycle/` decides the message lifecycle once, in plain Rust (its rules
+//!   return effects, its policy says what an answer means), and the engines,
+//!   `store/sqlite/`, `store/redis/` and `store/postgres/`, apply what it decides;
 //! - `dispatch/`: the workers that claim, deliver and complete, within per-host slots
 //!   (`dispatch/hosts.rs`); `ssrf.rs` the addresses a delivery may reach;
 //! - `config/`: the file, its checks and the typed settings built from it once;
@@ -29,6 +36,8 @@ pub mod handoff;
 pub mod http;
 pub mod inbound;
 pub mod metrics;
+pub mod operations;
+pub mod ordering;
 pub mod payment;
 pub mod redact;
 pub mod ssrf;
@@ -272,7 +281,7 @@ async fn open_store_patiently(
     settings: &StoreSettings,
     shutdown: &CancellationToken,
 ) -> Result<Option<Arc<dyn Store>>, StartError> {
-    let backoff = dispatch::schedule::Backoff {
+    let backoff = store::lifecycle::policy::Backoff {
         initial_ms: 250,
         max_ms: 5_000,
     };
@@ -283,7 +292,7 @@ async fn open_store_patiently(
             Err(StartError::Store(StoreError::Unreachable(why))) => why,
             Err(refused) => return Err(refused),
         };
-        let base = dispatch::schedule::base_delay_ms(backoff, step);
+        let base = store::lifecycle::policy::base_delay_ms(backoff, step);
         let delay = Duration::from_millis(base - rand::random_range(0..=base / 2));
         tracing::warn!(
             error = %why,

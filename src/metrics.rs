@@ -5,6 +5,7 @@ use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::store::lifecycle::policy::{DeathReason, FailureClass};
 use crate::store::{MessageKind, ResendEffect};
 
 pub const CALLBACKS: &str = "callbackd_callbacks_total";
@@ -86,20 +87,34 @@ pub const NOTIFICATION_OUTCOMES: &[&str] = &[
     "busy",
 ];
 const KINDS: &[&str] = &["inbound", "notification"];
-const DEATH_REASONS: &[&str] = &["gone", "expired"];
-/// An alert of one death has its reason; a digest covers many.
-const ALERT_REASONS: &[&str] = &["gone", "expired", "digest"];
-const FAILURE_CLASSES: &[&str] = &[
-    "1xx",
-    "3xx",
-    "4xx",
-    "5xx",
-    "timeout",
-    "connect",
-    "refused_address",
-    "request",
-    "bad_url",
-];
+
+/// The labels of a delivery policy outcome (`store/lifecycle/policy.rs`), in the order of its
+/// `ALL`: the policy spells each once, and the catalogue lists what it can emit.
+macro_rules! labels_of {
+    ($outcome:ty) => {{
+        let mut labels = [""; <$outcome>::ALL.len()];
+        let mut i = 0;
+        while i < labels.len() {
+            labels[i] = <$outcome>::ALL[i].as_str();
+            i += 1;
+        }
+        labels
+    }};
+}
+
+const DEATH_REASONS: [&str; DeathReason::ALL.len()] = labels_of!(DeathReason);
+/// An alert of one death has its reason; a digest covers many: the death reasons, then
+/// `digest`.
+const ALERT_REASONS: [&str; DeathReason::ALL.len() + 1] = {
+    let mut reasons = ["digest"; DeathReason::ALL.len() + 1];
+    let mut i = 0;
+    while i < DEATH_REASONS.len() {
+        reasons[i] = DEATH_REASONS[i];
+        i += 1;
+    }
+    reasons
+};
+const FAILURE_CLASSES: [&str; FailureClass::ALL.len()] = labels_of!(FailureClass);
 const RESEND_EFFECTS: &[&str] = &[
     "requeued",
     "expedited",
@@ -138,7 +153,7 @@ pub const CATALOGUE: [MetricDoc; 15] = [
         name: DEAD_LETTERS,
         labels: &["kind", "reason"],
         meaning: "Messages dead-lettered: gone (410) or expired (window over)",
-        values: &[("kind", KINDS), ("reason", DEATH_REASONS)],
+        values: &[("kind", KINDS), ("reason", &DEATH_REASONS)],
     },
     MetricDoc {
         name: RESENDS,
@@ -174,13 +189,13 @@ pub const CATALOGUE: [MetricDoc; 15] = [
         name: DELIVERY_FAILURES,
         labels: &["kind", "class"],
         meaning: "Failed delivery attempts by class: the status class when the receiver answered, else the error",
-        values: &[("kind", KINDS), ("class", FAILURE_CLASSES)],
+        values: &[("kind", KINDS), ("class", &FAILURE_CLASSES)],
     },
     MetricDoc {
         name: ALERTS,
         labels: &["reason"],
         meaning: "Dead-letter alerts recorded for delivery to [alerts] webhook_url: one per death, or a digest of a window's deaths beyond the cap",
-        values: &[("reason", ALERT_REASONS)],
+        values: &[("reason", &ALERT_REASONS)],
     },
     MetricDoc {
         name: OLDEST_PENDING_AGE,
@@ -256,9 +271,7 @@ pub fn handle() -> PrometheusHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alerts::DeathReason;
-    use crate::dispatch::delivery::{AttemptResult, failure_class};
-    use crate::ssrf::REFUSED_ADDRESS;
+    use crate::store::lifecycle::policy::{AttemptError, AttemptResult};
 
     fn values(name: &str, label: &str) -> &'static [&'static str] {
         CATALOGUE
@@ -282,24 +295,15 @@ mod tests {
         let failures = [100, 301, 404, 429, 500, 503]
             .map(|s| (Some(s), None))
             .into_iter()
-            .chain(
-                [
-                    "timeout",
-                    "connect",
-                    REFUSED_ADDRESS,
-                    "bad_url",
-                    "request",
-                    "other",
-                ]
-                .map(|e| (None, Some(e.to_string()))),
-            );
+            .chain(AttemptError::ALL.map(|e| (None, Some(e))));
         for (status, error) in failures {
-            let class = failure_class(&AttemptResult {
+            let class = FailureClass::of(&AttemptResult {
                 status,
                 error,
                 retry_after: None,
                 response: None,
-            });
+            })
+            .map_or("none", FailureClass::as_str);
             assert!(
                 values(DELIVERY_FAILURES, "class").contains(&class),
                 "{class}"

@@ -85,7 +85,7 @@ pub fn allowed_from(to: PaymentStatus) -> Vec<PaymentStatus> {
 
 /// Ordering key of a payment's notifications: they are delivered in acceptance order.
 pub fn ordering_key(payment_id: &str) -> String {
-    format!("pay/{payment_id}")
+    crate::ordering::OrderingKey::Payment(payment_id).to_string()
 }
 
 #[cfg(test)]

@@ -600,7 +600,7 @@ async fn the_real_loop_on_a_virtual_clock_gone_retry_after_and_resend() {
 /// acceptance) within the default 7-day window: `(fewest, most)`, with every delay at its
 /// longest (no jitter) and at its shortest (jittered down by half). Any run lies between.
 fn failures_before(horizon: i64) -> (usize, usize) {
-    use callbackd::dispatch::schedule::{Backoff, Next, next_attempt};
+    use callbackd::store::lifecycle::policy::{Backoff, Next, next_attempt};
     let backoff = Backoff {
         initial_ms: 1_000,
         max_ms: 3_600_000,
@@ -839,7 +839,7 @@ async fn walk_until(
 
 #[tokio::test]
 async fn retry_after_zero_or_past_is_not_a_hot_loop() {
-    use callbackd::dispatch::schedule::{Next, base_delay_ms, next_attempt};
+    use callbackd::store::lifecycle::policy::{Next, base_delay_ms, next_attempt};
     let redis = RedisServer::start();
     let (server, clock, d) = virtual_server(&redis.url(), |_| {}).await;
     let backoff = server.app.settings.dispatch.backoff;

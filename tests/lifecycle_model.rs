@@ -593,11 +593,8 @@ impl Run<'_> {
             message,
             payment: transition.map(|to| PaymentTransition {
                 payment_id: payment_id.clone(),
-                to: to.as_str().into(),
-                allowed_from: payment::allowed_from(to)
-                    .into_iter()
-                    .map(|s| s.as_str().into())
-                    .collect(),
+                to,
+                allowed_from: payment::allowed_from(to),
             }),
             seal: seal.map(|(n, minutes)| SignatureSeal {
                 key: format!("{ordering_key}/s{n}"),

@@ -20,7 +20,7 @@ use callbackd::clock::Millis;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use callbackd::payment;
+use callbackd::payment::{self, PaymentStatus};
 use callbackd::store::ids::partition_of;
 use callbackd::store::partitions::Partitions;
 use callbackd::store::postgres::PostgresStore;
@@ -647,6 +647,10 @@ fn callback_request(
     }
 }
 
+fn status(name: &str) -> PaymentStatus {
+    PaymentStatus::parse(name).unwrap_or_else(|| panic!("`{name}` is no payment status"))
+}
+
 fn notification(payment_id: &str, to: &str, allowed_from: &[&str], now: Millis) -> AcceptRequest {
     let message = NewMessage {
         payment_id: Some(payment_id.to_string()),
@@ -655,8 +659,8 @@ fn notification(payment_id: &str, to: &str, allowed_from: &[&str], now: Millis) 
     AcceptRequest {
         payment: Some(PaymentTransition {
             payment_id: payment_id.to_string(),
-            to: to.to_string(),
-            allowed_from: allowed_from.iter().map(|s| s.to_string()).collect(),
+            to: status(to),
+            allowed_from: allowed_from.iter().map(|s| status(s)).collect(),
         }),
         ..request(&format!("notification/{payment_id}/{to}"), message)
     }

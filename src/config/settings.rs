@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use super::{AlertsConfig, AuthConfig, Config, ConfigError, StoreLocation, invalid};
 use crate::clock::{Millis, deadline, millis};
-use crate::dispatch::schedule::Backoff;
 use crate::inbound::dedupe::DEFAULT_FIELDS;
 use crate::ssrf::SsrfGuard;
 use crate::store::Partitions;
+use crate::store::lifecycle::policy::Backoff;
 use crate::store::postgres::PostgresOptions;
 use crate::store::redis::RedisOptions;
 use crate::webhook::{Verifier, decode_whsec};

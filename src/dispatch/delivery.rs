@@ -1,129 +1,21 @@
-//! One HTTP delivery attempt and the classification of its outcome. Pure where it can be:
-//! [`classify`] turns what came back into what the store should do.
+//! One HTTP delivery attempt: its headers, the request, and the receiver's answer read into
+//! an [`AttemptResult`]. What that result means for the message (delivered, retried when,
+//! dead why) is the delivery policy's, `store/lifecycle/policy.rs`.
 
-use crate::clock::Millis;
 use std::collections::BTreeMap;
 use std::error::Error as _;
-use std::time::{Duration, UNIX_EPOCH};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 
-use super::schedule::{Backoff, Next, next_attempt};
 use crate::ssrf::{REFUSED_ADDRESS, is_forbidden};
-use crate::store::{Completion, KEPT_BODY_BYTES, Lease, ReceiverAnswer};
+use crate::store::lifecycle::policy::{AttemptError, AttemptResult, parse_retry_after};
+use crate::store::{KEPT_BODY_BYTES, Lease, ReceiverAnswer};
 use crate::webhook::{ATTEMPT_HEADER, EVENT_HEADER, MESSAGE_ID_HEADER, standard_webhook_headers};
 
 /// Bytes of a response body read before the connection is given back to the pool; the rest
 /// is dropped with the connection. Receivers answer with small bodies; a huge one must not
 /// cost memory.
 const MAX_RESPONSE_BODY: usize = 64 * 1024;
-
-/// What one attempt produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttemptResult {
-    pub status: Option<u16>,
-    /// Error class when there was no HTTP status: `timeout`, `connect`, `refused_address`,
-    /// `request`.
-    pub error: Option<String>,
-    pub retry_after: Option<RetryAfter>,
-    /// The receiver's answer (bounded), when there was one.
-    pub response: Option<ReceiverAnswer>,
-}
-
-/// A target's `Retry-After`, as it came: a delay, or an instant. An instant is resolved when
-/// the attempt is classified, against the dispatcher's clock (not the host's: on a virtual
-/// clock, or a host whose clock is off, the two differ).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RetryAfter {
-    DelayMs(u64),
-    At(Millis),
-}
-
-impl RetryAfter {
-    /// The delay it asks for at `now`; an instant in the past asks for none.
-    pub fn delay_ms(self, now: Millis) -> u64 {
-        match self {
-            RetryAfter::DelayMs(ms) => ms,
-            RetryAfter::At(at) => u64::try_from(at.saturating_sub(now)).unwrap_or(0),
-        }
-    }
-}
-
-/// What the store should do after an attempt, and why (for metrics).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Verdict {
-    Delivered,
-    Gone,
-    Retry(Millis),
-    Expired,
-}
-
-impl Verdict {
-    pub fn completion(self) -> Completion {
-        match self {
-            Verdict::Delivered => Completion::Delivered,
-            Verdict::Retry(next_at) => Completion::Retry { next_at },
-            Verdict::Gone | Verdict::Expired => Completion::Dead,
-        }
-    }
-}
-
-/// 2xx delivered; 410 dead at once; anything else retried until the deadline.
-pub fn classify(
-    result: &AttemptResult,
-    backoff: Backoff,
-    claimed: &Lease,
-    now: Millis,
-    jitter: f64,
-) -> Verdict {
-    match result.status {
-        Some(s) if (200..300).contains(&s) => Verdict::Delivered,
-        Some(410) => Verdict::Gone,
-        _ => match next_attempt(
-            backoff,
-            claimed.backoff_step,
-            now,
-            claimed.deadline,
-            jitter,
-            result.retry_after.map(|r| r.delay_ms(now)),
-        ) {
-            Next::RetryAt(at) => Verdict::Retry(at),
-            Next::GiveUp => Verdict::Expired,
-        },
-    }
-}
-
-/// The class of a failed attempt, for the failures metric: the status class when the receiver
-/// answered, else the error class. Always one of a fixed set, so labels stay bounded.
-pub fn failure_class(result: &AttemptResult) -> &'static str {
-    match (result.status, result.error.as_deref()) {
-        (Some(s), _) => match s / 100 {
-            1 => "1xx",
-            2 => "2xx",
-            3 => "3xx",
-            4 => "4xx",
-            _ => "5xx",
-        },
-        (None, Some("timeout")) => "timeout",
-        (None, Some("connect")) => "connect",
-        (None, Some(REFUSED_ADDRESS)) => "refused_address",
-        (None, Some("bad_url")) => "bad_url",
-        (None, _) => "request",
-    }
-}
-
-/// `Retry-After` as delay-seconds or an HTTP date.
-pub fn parse_retry_after(value: &str) -> Option<RetryAfter> {
-    let value = value.trim();
-    if let Ok(secs) = value.parse::<u64>() {
-        return Some(RetryAfter::DelayMs(secs.saturating_mul(1000)));
-    }
-    let at = httpdate::parse_http_date(value).ok()?;
-    let since_epoch = at.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-    Some(RetryAfter::At(
-        i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX),
-    ))
-}
 
 /// Headers of one attempt: configured ones first, then ours, which win on a clash so the
 /// receiver can always dedupe by message id.
@@ -181,21 +73,21 @@ pub async fn send(
     body: String,
     allow_private: bool,
 ) -> AttemptResult {
-    let failure = |class: &str| AttemptResult {
+    let failure = |error: AttemptError| AttemptResult {
         status: None,
-        error: Some(class.to_string()),
+        error: Some(error),
         retry_after: None,
         response: None,
     };
     let Ok(parsed) = reqwest::Url::parse(url) else {
-        return failure("bad_url");
+        return failure(AttemptError::BadUrl);
     };
     // Literal addresses never reach the resolver, so they are checked here.
     if !allow_private {
         let host = parsed.host_str().unwrap_or_default();
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         if bare.parse().map(is_forbidden).unwrap_or(false) {
-            return failure(REFUSED_ADDRESS);
+            return failure(AttemptError::RefusedAddress);
         }
     }
     let response = client.post(parsed).headers(headers).body(body).send().await;
@@ -241,26 +133,29 @@ pub async fn send(
     }
 }
 
-fn error_class(e: &reqwest::Error) -> &'static str {
+/// Why a request got no answer. The SSRF guard's resolver refuses a name with an error that
+/// names [`REFUSED_ADDRESS`], somewhere down the chain: it is looked for first.
+fn error_class(e: &reqwest::Error) -> AttemptError {
     let mut source = e.source();
     while let Some(s) = source {
         if s.to_string().contains(REFUSED_ADDRESS) {
-            return REFUSED_ADDRESS;
+            return AttemptError::RefusedAddress;
         }
         source = s.source();
     }
     if e.is_timeout() {
-        "timeout"
+        AttemptError::Timeout
     } else if e.is_connect() {
-        "connect"
+        AttemptError::Connect
     } else {
-        "request"
+        AttemptError::Request
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::Millis;
     use crate::store::{MessageId, MessageKind, NewMessage, Partitions};
 
     fn claimed(backoff_step: u32, deadline: Millis) -> Lease {
@@ -286,114 +181,6 @@ mod tests {
             resume_at: None,
             again: false,
         }
-    }
-
-    const BACKOFF: Backoff = Backoff {
-        initial_ms: 1000,
-        max_ms: 3_600_000,
-    };
-
-    fn status(s: u16) -> AttemptResult {
-        AttemptResult {
-            status: Some(s),
-            error: None,
-            retry_after: None,
-            response: None,
-        }
-    }
-
-    #[test]
-    fn classification() {
-        let c = claimed(0, 100_000);
-        assert_eq!(
-            classify(&status(204), BACKOFF, &c, 0, 0.0),
-            Verdict::Delivered
-        );
-        assert_eq!(classify(&status(410), BACKOFF, &c, 0, 0.0), Verdict::Gone);
-        for s in [500, 503, 429, 404, 301, 400] {
-            assert_eq!(
-                classify(&status(s), BACKOFF, &c, 0, 0.0),
-                Verdict::Retry(1000),
-                "{s}"
-            );
-        }
-        let timeout = AttemptResult {
-            status: None,
-            error: Some("timeout".into()),
-            retry_after: None,
-            response: None,
-        };
-        assert_eq!(
-            classify(&timeout, BACKOFF, &claimed(3, 100_000), 0, 0.0),
-            Verdict::Retry(8000)
-        );
-        let later = AttemptResult {
-            status: Some(429),
-            error: None,
-            retry_after: Some(RetryAfter::DelayMs(30_000)),
-            response: None,
-        };
-        assert_eq!(
-            classify(&later, BACKOFF, &c, 5, 0.0),
-            Verdict::Retry(30_005)
-        );
-        // A date is resolved against the `now` given (the dispatcher's clock), and one in the
-        // past or `Retry-After: 0` keeps the scheduled delay instead of retrying at once.
-        let date = AttemptResult {
-            retry_after: Some(RetryAfter::At(50_000)),
-            ..later.clone()
-        };
-        assert_eq!(
-            classify(&date, BACKOFF, &c, 20_000, 0.0),
-            Verdict::Retry(50_000)
-        );
-        for retry_after in [RetryAfter::At(1_000), RetryAfter::DelayMs(0)] {
-            let soon = AttemptResult {
-                retry_after: Some(retry_after),
-                ..later.clone()
-            };
-            assert_eq!(
-                classify(&soon, BACKOFF, &c, 20_000, 0.0),
-                Verdict::Retry(21_000),
-                "{retry_after:?}"
-            );
-        }
-        assert_eq!(
-            classify(&status(500), BACKOFF, &c, 100_000, 0.0),
-            Verdict::Expired
-        );
-    }
-
-    #[test]
-    fn failure_classes() {
-        assert_eq!(failure_class(&status(503)), "5xx");
-        assert_eq!(failure_class(&status(410)), "4xx");
-        assert_eq!(failure_class(&status(302)), "3xx");
-        for class in ["timeout", "connect", REFUSED_ADDRESS, "bad_url", "request"] {
-            let r = AttemptResult {
-                status: None,
-                error: Some(class.into()),
-                retry_after: None,
-                response: None,
-            };
-            assert_eq!(failure_class(&r), class);
-        }
-    }
-
-    #[test]
-    fn retry_after_forms() {
-        assert_eq!(parse_retry_after("120"), Some(RetryAfter::DelayMs(120_000)));
-        assert_eq!(parse_retry_after(" 0 "), Some(RetryAfter::DelayMs(0)));
-        let at = UNIX_EPOCH + Duration::from_secs(1_000_000);
-        let date = httpdate::fmt_http_date(at);
-        assert_eq!(
-            parse_retry_after(&date),
-            Some(RetryAfter::At(1_000_000_000))
-        );
-        assert_eq!(RetryAfter::At(1_000_000_000).delay_ms(999_910_000), 90_000);
-        assert_eq!(RetryAfter::At(1_000_000_000).delay_ms(1_000_090_000), 0);
-        assert_eq!(parse_retry_after("soon"), None);
-        assert_eq!(parse_retry_after("-5"), None);
     }
 
     #[test]

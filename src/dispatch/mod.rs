@@ -1,5 +1,6 @@
 //! The dispatcher: claim due messages with a lease, deliver each by HTTP, then ack,
-//! reschedule or dead-letter it in one store call.
+//! reschedule or dead-letter it in one store call, as the delivery policy
+//! (`store/lifecycle/policy.rs`) judges the attempt.
 //!
 //! Nothing about a retry lives only in memory: the next attempt time is in the store, so a
 //! crash or restart loses nothing, and a worker that dies mid-delivery loses only its lease.
@@ -10,7 +11,6 @@
 
 pub mod delivery;
 mod hosts;
-pub mod schedule;
 
 use crate::clock::Millis;
 use std::collections::HashMap;
@@ -22,14 +22,14 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::alerts::{AlertBudget, Alerts, DeathReason, is_alert};
+use crate::alerts::{AlertBudget, Alerts, is_alert};
 use crate::clock::millis;
 use crate::clock::{Clock, format_delay, format_iso};
 use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
+use crate::store::lifecycle::policy::{self, AttemptResult, DeathReason, FailureClass, Verdict};
 use crate::store::{DeliveryAttempt, Lease, MessageKind, Store};
-use delivery::{AttemptResult, Verdict};
 use hosts::{Admission, HOST_WAIT, Hosts, Slot};
 
 /// How long an idle worker waits before polling the store again. Work accepted by this
@@ -354,7 +354,7 @@ impl Dispatcher {
             delivery::send(client, &url, headers, c.message.body.clone(), allow_private).await;
         let latency = started.elapsed();
         let now = self.clock.now_ms();
-        let verdict = delivery::classify(
+        let verdict = policy::classify(
             &result,
             self.settings.backoff,
             &c,
@@ -370,7 +370,7 @@ impl Dispatcher {
             attempt: c.attempts + 1,
             at,
             status: result.status,
-            error: result.error.clone(),
+            error: result.error.map(|e| e.as_str().to_string()),
             latency_ms: Some(latency.as_millis() as u64),
             response: result.response.clone(),
         };
@@ -403,10 +403,8 @@ impl Dispatcher {
         verdict: Verdict,
         now: i64,
     ) -> Announcement {
-        let reason = match verdict {
-            Verdict::Gone => DeathReason::Gone,
-            Verdict::Expired => DeathReason::Expired,
-            Verdict::Delivered | Verdict::Retry(_) => return Announcement::Done,
+        let Verdict::Dead(reason) = verdict else {
+            return Announcement::Done;
         };
         let Some(alert) = self
             .alerts
@@ -481,18 +479,15 @@ impl Dispatcher {
         metrics::histogram!(m::DELIVERY_SECONDS, "kind" => kind).record(latency.as_secs_f64());
         match verdict {
             Verdict::Retry(_) => metrics::counter!(m::RETRIES, "kind" => kind).increment(1),
-            Verdict::Gone => {
-                metrics::counter!(m::DEAD_LETTERS, "kind" => kind, "reason" => "gone").increment(1)
-            }
-            Verdict::Expired => {
-                metrics::counter!(m::DEAD_LETTERS, "kind" => kind, "reason" => "expired")
+            Verdict::Dead(reason) => {
+                metrics::counter!(m::DEAD_LETTERS, "kind" => kind, "reason" => reason.as_str())
                     .increment(1)
             }
             Verdict::Delivered => {}
         }
-        if verdict != Verdict::Delivered {
-            let class = delivery::failure_class(result);
-            metrics::counter!(m::DELIVERY_FAILURES, "kind" => kind, "class" => class).increment(1);
+        if let Some(class) = FailureClass::of(result) {
+            metrics::counter!(m::DELIVERY_FAILURES, "kind" => kind, "class" => class.as_str())
+                .increment(1);
         }
     }
 }
@@ -502,7 +497,7 @@ impl Dispatcher {
 /// attempt as a time and a delay, or `outcome=dead` with the reason.
 fn log_failure(result: &AttemptResult, verdict: Verdict, now: Millis) {
     let status = result.status;
-    let error = result.error.as_deref().map(tracing::field::display);
+    let error = result.error.map(|e| tracing::field::display(e.as_str()));
     match verdict {
         Verdict::Delivered => {}
         Verdict::Retry(at) => tracing::info!(
@@ -513,18 +508,11 @@ fn log_failure(result: &AttemptResult, verdict: Verdict, now: Millis) {
             retry_in = %format_delay(at.saturating_sub(now)),
             "delivery failed"
         ),
-        Verdict::Gone => tracing::info!(
+        Verdict::Dead(reason) => tracing::info!(
             status,
             error,
             outcome = %"dead",
-            reason = %"gone",
-            "delivery failed"
-        ),
-        Verdict::Expired => tracing::info!(
-            status,
-            error,
-            outcome = %"dead",
-            reason = %"expired",
+            reason = %reason.as_str(),
             "delivery failed"
         ),
     }

@@ -1,17 +1,42 @@
 //! Bearer-token roles: connector tokens may hand off notifications, admin tokens may inspect
-//! and resend. A valid token of the other role gets 403 (it is known, just not allowed here);
-//! anything else 401. Tokens are compared in constant time.
+//! and resend. A route takes its role as an extractor ([`Admin`], [`Connector`]), so a
+//! handler runs only for a token of that role. A valid token of the other role gets 403 (it
+//! is known, just not allowed here); anything else 401. Tokens are compared in constant time.
 
+use std::sync::Arc;
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, header};
 use subtle::ConstantTimeEq;
 
 use crate::app::App;
 use crate::http::error::ApiError;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    Connector,
-    Admin,
+/// A request made with an admin token.
+#[derive(Debug, Clone, Copy)]
+pub struct Admin;
+
+/// A request made with a connector token.
+#[derive(Debug, Clone, Copy)]
+pub struct Connector;
+
+impl FromRequestParts<Arc<App>> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<App>) -> Result<Admin, ApiError> {
+        let auth = &app.settings.auth;
+        require(&parts.headers, &auth.admin_tokens, &auth.connector_tokens).map(|()| Admin)
+    }
+}
+
+impl FromRequestParts<Arc<App>> for Connector {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<App>) -> Result<Connector, ApiError> {
+        let auth = &app.settings.auth;
+        require(&parts.headers, &auth.connector_tokens, &auth.admin_tokens).map(|()| Connector)
+    }
 }
 
 fn any_equal(tokens: &[String], presented: &[u8]) -> bool {
@@ -21,7 +46,8 @@ fn any_equal(tokens: &[String], presented: &[u8]) -> bool {
     }) == 1
 }
 
-pub fn require(app: &App, headers: &HeaderMap, role: Role) -> Result<(), ApiError> {
+/// Passes a bearer token among `mine`; one among `theirs` (the other role's) is forbidden.
+fn require(headers: &HeaderMap, mine: &[String], theirs: &[String]) -> Result<(), ApiError> {
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -31,11 +57,6 @@ pub fn require(app: &App, headers: &HeaderMap, role: Role) -> Result<(), ApiErro
         ))?
         .trim()
         .as_bytes();
-    let auth = &app.settings.auth;
-    let (mine, theirs) = match role {
-        Role::Connector => (&auth.connector_tokens, &auth.admin_tokens),
-        Role::Admin => (&auth.admin_tokens, &auth.connector_tokens),
-    };
     if any_equal(mine, presented) {
         Ok(())
     } else if any_equal(theirs, presented) {

@@ -111,8 +111,7 @@ async fn accept(
         partitions: app.store.partitions(),
     };
     let now = app.clock.now_ms();
-    let request = accept_request(&settings, callback, now)
-        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidCallback, e.to_string()))?;
+    let request = accept_request(&settings, callback, now)?;
     record(app, request, now).await
 }
 

@@ -11,12 +11,12 @@ use std::sync::Arc;
 use axum::Json;
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
+use axum::http::{HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Serialize;
 
-use super::auth::{Role, require};
+use super::auth::Admin;
 use crate::app::App;
 use crate::clock::format_iso;
 use crate::http::error::ApiError;
@@ -140,11 +140,7 @@ pub struct Oldest {
 
 /// The overview: queue depth by state, the oldest pending message, and deliveries and
 /// failures per minute over the last hour. Admin token required.
-async fn overview(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-) -> Result<Json<Overview>, ApiError> {
-    require(&app, &headers, Role::Admin)?;
+async fn overview(_: Admin, State(app): State<Arc<App>>) -> Result<Json<Overview>, ApiError> {
     let now = app.clock.now_ms();
     let depth = app.store.depth().await?;
     let oldest = app.store.oldest_unfinished().await?;

@@ -11,6 +11,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::handoff::HandOffError;
+use crate::inbound::accept::CallbackError;
+use crate::operations::resend::ResendError;
 use crate::store::StoreError;
 
 /// Declares the codes once, with their status and meaning, so the list of all codes cannot
@@ -171,6 +174,32 @@ impl ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         ApiError::Unavailable(e)
+    }
+}
+
+impl From<CallbackError> for ApiError {
+    fn from(e: CallbackError) -> Self {
+        ApiError::bad_request(ErrorCode::InvalidCallback, e.to_string())
+    }
+}
+
+impl From<HandOffError> for ApiError {
+    fn from(e: HandOffError) -> Self {
+        ApiError::bad_request(ErrorCode::InvalidRequest, e.to_string())
+    }
+}
+
+impl From<ResendError> for ApiError {
+    fn from(e: ResendError) -> Self {
+        match e {
+            ResendError::NoSelector => ApiError::bad_request(ErrorCode::NoSelector, e.to_string()),
+            ResendError::InProgress => ApiError::Conflict(e.to_string()),
+            ResendError::RequestIdReused => ApiError::IdempotencyMismatch,
+            ResendError::Store(e) => ApiError::Unavailable(e),
+            ResendError::Answer(e) => {
+                ApiError::bad_request(ErrorCode::InvalidRequest, e.to_string())
+            }
+        }
     }
 }
 

@@ -1,8 +1,9 @@
-//! HTTP routes. A handler parses and checks its input, asks the pure rules what to record
-//! (`inbound::accept` for a callback, `handoff` for a notification), makes the store call and
-//! shapes the answer: both accept routes end in `record.rs`, the API's shapes of stored rows
-//! are in `views.rs`, and errors are mapped to HTTP in `error.rs`. Only the resend walk
-//! (`admin.rs`) makes more than one store call: it pages through its selection.
+//! HTTP routes. A handler authenticates (`auth.rs`'s extractors), reads and parses its input,
+//! calls one use case below it (`inbound::accept` for a callback, `handoff` for a
+//! notification, `operations` for the admin routes) and shapes the answer: both accept routes
+//! end in `record.rs`, the admin routes' selections are parsed in `query.rs`, the API's shapes
+//! of stored rows are in `views.rs`, and every error is mapped to HTTP in `error.rs`. Nothing
+//! below `http` knows it.
 
 pub mod admin;
 pub mod auth;
@@ -12,8 +13,8 @@ pub mod error;
 pub mod health;
 pub mod notifications;
 pub mod openapi;
+pub mod query;
 pub mod record;
-pub mod resend_count;
 pub mod server;
 pub mod views;
 

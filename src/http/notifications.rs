@@ -4,43 +4,28 @@
 //! The idempotency key is `paymentId + status`, or the `Idempotency-Key` header (scoped to
 //! the payment). A repeat returns the stored answer byte for byte and creates nothing; the
 //! same key with another body is a 422. The payment status moves by compare-and-set in the
-//! same atomic step that records the notification. What is recorded is decided by
-//! `handoff`; this checks the request and maps the outcome.
+//! same atomic step that records the notification. The checks and what is recorded are
+//! `handoff`'s; this parses the request and maps the outcome.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
-use super::auth::{Role, require};
+use super::auth::Connector;
 use super::read_body;
 use super::record::{Recorded, Route, answer, record};
 use crate::app::App;
-use crate::handoff::{self, Notification, NotificationAccepted};
+use crate::handoff::{self, HandOff, NotificationAccepted};
 use crate::http::error::{ApiError, ErrorBody, ErrorCode};
 use crate::payment::PaymentStatus;
-use crate::ssrf::SsrfError;
-use crate::webhook::{ATTEMPT_HEADER, MESSAGE_ID_HEADER};
-
-pub const MAX_ID_LEN: usize = 256;
-pub const MAX_HEADERS: usize = 32;
-/// Headers a connector may not set: they belong to the HTTP exchange or to callbackd.
-pub const RESERVED_HEADERS: [&str; 7] = [
-    "host",
-    "content-length",
-    "content-type",
-    "transfer-encoding",
-    "connection",
-    MESSAGE_ID_HEADER,
-    ATTEMPT_HEADER,
-];
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -104,17 +89,21 @@ fn whole_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, 
     tag = "connectors"
 )]
 pub async fn hand_off(
+    connector: Result<Connector, ApiError>,
     State(app): State<Arc<App>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let result = accept(&app, &headers, body).await;
+    // Refused tokens are counted and timed like any other refusal of this route.
+    let result = match connector {
+        Ok(Connector) => accept(&app, &headers, body).await,
+        Err(refused) => Err(refused),
+    };
     answer(Route::Notifications, started, result)
 }
 
 async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<Recorded, ApiError> {
-    require(app, headers, Role::Connector)?;
     let bytes = read_body(app, body, headers).await?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
         ApiError::bad_request(
@@ -128,98 +117,27 @@ async fn accept(app: &App, headers: &HeaderMap, body: Body) -> Result<Recorded, 
             format!("`{}`: {}", e.path(), e.inner()),
         )
     })?;
-    let to = validate(app, &req).await?;
-    let idempotency_key = idempotency_key(headers)?;
-    let mut stored = req.headers.unwrap_or_default();
-    crate::trace::carry(headers, &mut stored);
-    let notification = Notification {
+    let hand_off = HandOff {
         payment_id: req.payment_id,
-        to,
+        status: req.status,
         callback_url: req.callback_url,
         payload: req.payload,
-        headers: stored,
-        window: req.max_age_secs.map(Duration::from_secs),
-        idempotency_key,
+        headers: req.headers,
+        max_age_secs: req.max_age_secs,
         request: value,
     };
     let settings = handoff::Settings {
         max_window: app.settings.dispatch.max_age,
         dedupe_ttl: app.settings.store.dedupe_ttl,
         partitions: app.store.partitions(),
+        callback_ssrf: app.settings.dispatch.callback_ssrf,
     };
+    let notification = handoff::check(&settings, hand_off).await?;
+    // After the fields, as the document lists them: a request wrong in both names the field.
+    let key = idempotency_key(headers)?;
     let now = app.clock.now_ms();
-    let request = handoff::accept_request(&settings, notification, now)
-        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidRequest, e.to_string()))?;
+    let request = handoff::accept(&settings, notification, key, headers, now)?;
     record(app, request, now).await
-}
-
-fn field_error(field: &str, message: impl std::fmt::Display) -> ApiError {
-    ApiError::bad_request(ErrorCode::InvalidRequest, format!("`{field}`: {message}"))
-}
-
-async fn validate(app: &App, req: &NotificationRequest) -> Result<PaymentStatus, ApiError> {
-    // Characters, not bytes: what the document's `maxLength` counts.
-    let len = req.payment_id.chars().count();
-    if len == 0 || len > MAX_ID_LEN {
-        return Err(field_error(
-            "paymentId",
-            format!("must be 1 to {MAX_ID_LEN} characters"),
-        ));
-    }
-    let to = PaymentStatus::parse(&req.status).ok_or_else(|| {
-        let valid: Vec<&str> = PaymentStatus::ALL.iter().map(|s| s.as_str()).collect();
-        field_error(
-            "status",
-            format!("`{}` is not one of {}", req.status, valid.join(", ")),
-        )
-    })?;
-    app.settings
-        .dispatch
-        .callback_ssrf
-        .check_url(&req.callback_url, Duration::from_secs(2))
-        .await
-        .map_err(|e| {
-            // The answer does not say what the host resolved to; the operator's log does.
-            if let SsrfError::Forbidden { host, addr } = &e {
-                tracing::info!(%host, %addr, "callbackUrl refused by the SSRF guard");
-            }
-            field_error("callbackUrl", e)
-        })?;
-    if let Some(headers) = &req.headers {
-        if headers.len() > MAX_HEADERS {
-            return Err(field_error(
-                "headers",
-                format!("at most {MAX_HEADERS} headers"),
-            ));
-        }
-        for (name, value) in headers {
-            let parsed = HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| field_error("headers", format!("`{name}` is not a header name")))?;
-            if RESERVED_HEADERS.contains(&parsed.as_str()) {
-                return Err(field_error(
-                    "headers",
-                    format!("`{name}` is set by callbackd"),
-                ));
-            }
-            HeaderValue::from_str(value).map_err(|_| {
-                field_error(
-                    "headers",
-                    format!("value of `{name}` is not a valid header value"),
-                )
-            })?;
-        }
-    }
-    // `maxAgeSecs` counts in whole seconds, as `dispatch.max_age_secs` does.
-    let most = app.settings.dispatch.max_age.as_secs();
-    if let Some(max_age) = req.max_age_secs
-        && (max_age == 0 || max_age > most)
-    {
-        return Err(field_error(
-            "maxAgeSecs",
-            format!("must be 1 to {most} (dispatch.max_age_secs)"),
-        ));
-    }
-    Ok(to)
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {

@@ -36,7 +36,7 @@ use crate::store::ids::PATTERN as MESSAGE_ID;
         crate::store::MessageKind,
         crate::store::ResendEffect,
         crate::payment::PaymentStatus,
-        super::resend_count::DryRunAnswer,
+        crate::operations::resend::dry_run::DryRunAnswer,
     )),
     modifiers(&BearerAuth),
 )]
@@ -86,7 +86,7 @@ const CALLBACK_URL: &str = concat!(
 /// The reserved header names, matched case-insensitively (JSON Schema patterns have no flag
 /// for that, so each letter is a class).
 fn reserved_headers() -> String {
-    let names: Vec<String> = notifications::RESERVED_HEADERS
+    let names: Vec<String> = crate::handoff::RESERVED_HEADERS
         .iter()
         .map(|name| {
             name.chars()
@@ -204,7 +204,7 @@ fn complete(doc: &mut Value) {
     hand_off["headers"] = json!({
         "type": ["object", "null"],
         "description": "Static headers for every attempt (e.g. `X-VTEX-API-AppKey`, `X-VTEX-API-AppToken`); not the ones that belong to HTTP or to callbackd",
-        "maxProperties": notifications::MAX_HEADERS,
+        "maxProperties": crate::handoff::MAX_HEADERS,
         "propertyNames": {"pattern": HEADER_NAME, "not": {"pattern": reserved_headers()}},
         "additionalProperties": {"type": "string", "pattern": HEADER_VALUE},
     });
@@ -223,7 +223,7 @@ fn complete(doc: &mut Value) {
     *request_id = key_text();
     request_id["description"] = description;
     resend["properties"]["messageIds"]["items"] = json!({"type": "string", "pattern": MESSAGE_ID});
-    resend["properties"]["messageIds"]["maxItems"] = json!(admin::MAX_RESEND_IDS);
+    resend["properties"]["messageIds"]["maxItems"] = json!(crate::operations::resend::MAX_IDS);
     resend["anyOf"] = Value::Array(
         [
             ("messageIds", json!({"type": "array"})),

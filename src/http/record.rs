@@ -28,7 +28,7 @@ pub struct Recorded {
 pub async fn record(app: &App, request: AcceptRequest, now: Millis) -> Result<Recorded, ApiError> {
     let answer = request.dedupe.response.clone();
     let fingerprinted = !request.dedupe.fingerprint.is_empty();
-    let to = request.payment.as_ref().map(|p| p.to.clone());
+    let to = request.payment.as_ref().map(|p| p.to.to_string());
     match (app.store.accept(request, now).await?, to) {
         (AcceptOutcome::Accepted, _) => {
             app.wake.notify_one();

@@ -67,7 +67,11 @@ pub enum CallbackError {
 
 /// Ordering key of a source's transaction: its events are delivered in acceptance order.
 pub fn ordering_key(source: &str, transaction_id: &str) -> String {
-    format!("src/{source}/{transaction_id}")
+    crate::ordering::OrderingKey::Transaction {
+        source,
+        id: transaction_id,
+    }
+    .to_string()
 }
 
 /// The accept request of `callback`, accepted from `source` at `now`.

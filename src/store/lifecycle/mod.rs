@@ -22,17 +22,20 @@
 //!   last transition, a finished message `retention_ms` after it finished (a recorded one
 //!   after its acceptance). Past its end a thing counts as gone; [`sweep`] says so, and the
 //!   engines delete it (docs/storage.md, "Retention").
+//! * [`policy`] decides what the receiver's answer means for the attempt: delivered, retried
+//!   when, or dead, and why.
 
 mod effect;
 mod model;
+pub mod policy;
 mod rules;
 
 pub use effect::{Changes, Effect, Field, Guard, QueueMove, Snapshot};
 pub use model::{Message, Model};
 pub use rules::{
-    AcceptDecision, AcceptPlan, AcceptRead, AfterAttempt, Lifetimes, LiveClaim, UNSEEN_PAYMENT,
-    accept, accept_plan, after_attempt, claim, complete, expire_lease, holds, release, resend,
-    resend_skips, sweep, transition,
+    AcceptDecision, AcceptPlan, AcceptRead, AfterAttempt, Lifetimes, LiveClaim, accept,
+    accept_plan, after_attempt, claim, complete, expire_lease, holds, release, resend,
+    resend_skips, sweep,
 };
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, VecDeque};
 use super::effect::{Changes, Effect, QueueMove, Snapshot};
 use super::rules::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
 use crate::clock::Millis;
+use crate::payment::PaymentStatus;
 use crate::store::{
     ANSWER_BODY_ROWS, AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HISTORY_TAIL,
     HistoryEntry, Lease, MessageId, MessageRecord, MessageState, NewMessage, QueueDepth,
@@ -160,7 +161,7 @@ pub struct Model {
     /// Each dedupe claim's fingerprint and first answer.
     claims: BTreeMap<String, Expiring<(String, String)>>,
     seals: BTreeMap<String, Expiring<String>>,
-    payments: BTreeMap<String, Expiring<String>>,
+    payments: BTreeMap<String, Expiring<PaymentStatus>>,
 }
 
 impl Model {
@@ -215,7 +216,7 @@ impl Model {
     }
 
     pub fn payment_status(&self, payment_id: &str, now: Millis) -> Option<String> {
-        live(&self.payments, payment_id, now).cloned()
+        live(&self.payments, payment_id, now).map(|status| status.to_string())
     }
 
     /// Writes `effect` to message `id`: its changes, its history row, its move in its queue.
@@ -285,11 +286,14 @@ impl Model {
             .seal
             .as_ref()
             .and_then(|s| live(&self.seals, &s.key, now));
-        let payment = rules::transition(req).and_then(|p| live(&self.payments, &p.payment_id, now));
+        let payment = req
+            .payment
+            .as_ref()
+            .and_then(|p| live(&self.payments, &p.payment_id, now));
         let read = AcceptRead {
             claim: claim.as_ref(),
             seal: seal.map(String::as_str),
-            payment: payment.map(String::as_str),
+            payment: payment.copied(),
         };
         match rules::accept(read, req, now, self.lifetimes) {
             AcceptDecision::Answer(outcome) => outcome,
@@ -301,7 +305,7 @@ impl Model {
                 AcceptOutcome::Replayed { response }
             }
             AcceptDecision::Record(plan) => {
-                if let (Some(p), Some((status, ends_at))) = (rules::transition(req), plan.payment) {
+                if let (Some(p), Some((status, ends_at))) = (&req.payment, plan.payment) {
                     let value = status;
                     self.payments
                         .insert(p.payment_id.clone(), Expiring { value, ends_at });

@@ -5,9 +5,9 @@
 
 use super::effect::{Changes, Effect, Field, Guard, QueueMove, Snapshot};
 use crate::clock::Millis;
+use crate::payment::PaymentStatus;
 use crate::store::{
-    AcceptOutcome, AcceptRequest, Completion, HistoryEntry, MessageState, PaymentTransition,
-    ResendEffect, ResendMark,
+    AcceptOutcome, AcceptRequest, Completion, HistoryEntry, MessageState, ResendEffect, ResendMark,
 };
 
 /// How long what has nothing left to do is kept.
@@ -54,7 +54,7 @@ pub struct AcceptRead<'a> {
     /// The answer the request's signature was sealed to.
     pub seal: Option<&'a str>,
     /// The payment's status (`None`: never seen, or its state ended).
-    pub payment: Option<&'a str>,
+    pub payment: Option<PaymentStatus>,
 }
 
 /// What an accept that records writes.
@@ -65,7 +65,7 @@ pub struct AcceptPlan {
     /// The request's signature seal ends then: at its own end or with its claim.
     pub seal_ends: Option<Millis>,
     /// The payment's new status and when that state ends.
-    pub payment: Option<(String, Millis)>,
+    pub payment: Option<(PaymentStatus, Millis)>,
     /// The message as it starts: `pending` to be queued, or `recorded` (nothing to deliver
     /// to) and ending with the message retention.
     pub message: Snapshot,
@@ -103,22 +103,14 @@ pub fn accept_plan(req: &AcceptRequest, now: Millis, lifetimes: Lifetimes) -> Ac
     AcceptPlan {
         claim_ends,
         seal_ends: req.seal.as_ref().map(|s| s.expires_at.min(claim_ends)),
-        payment: transition(req).map(|p| {
+        payment: req.payment.as_ref().map(|p| {
             let ends_at = now.saturating_add(lifetimes.payment_retention_ms);
-            (p.to.clone(), ends_at)
+            (p.to, ends_at)
         }),
         message,
         queue,
     }
 }
-
-/// The transition a request makes, if any (an empty target is none).
-pub fn transition(req: &AcceptRequest) -> Option<&PaymentTransition> {
-    req.payment.as_ref().filter(|p| !p.to.is_empty())
-}
-
-/// The status a payment the store does not know counts as.
-pub const UNSEEN_PAYMENT: &str = "undefined";
 
 /// Claims the dedupe key and records the message, with the payment's compare-and-set, in one
 /// step. A live signature seal answers first: a replay of its answer when the request's
@@ -151,9 +143,10 @@ pub fn accept(
             seal_until: req.seal.as_ref().map(|s| s.expires_at.min(claim.ends_at)),
         };
     }
-    if let Some(p) = transition(req) {
-        let current = read.payment.unwrap_or(UNSEEN_PAYMENT);
-        if !p.allowed_from.iter().any(|from| from == current) {
+    if let Some(p) = &req.payment {
+        // A payment the store does not know (never seen, or its state ended) is `undefined`.
+        let current = read.payment.unwrap_or(PaymentStatus::Undefined);
+        if !p.allowed_from.contains(&current) {
             return AcceptDecision::Answer(AcceptOutcome::InvalidTransition {
                 from: current.to_string(),
             });

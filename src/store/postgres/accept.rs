@@ -10,6 +10,7 @@ use super::days::{Days, end_day};
 use super::error::{Db, column, corrupt};
 use super::locks::{Lock, lock};
 use crate::clock::Millis;
+use crate::payment::PaymentStatus;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
 use crate::store::{AcceptOutcome, AcceptRequest, StoreError};
 
@@ -26,7 +27,7 @@ pub(super) async fn accept(
     if let Some(seal) = &req.seal {
         lock(&tx, Lock::Seal, &seal.key).await?;
     }
-    if let Some(p) = lifecycle::transition(req) {
+    if let Some(p) = &req.payment {
         lock(&tx, Lock::Payment, &p.payment_id).await?;
     }
     let claim = read_claim(&tx, &req.dedupe.key, now).await?;
@@ -34,7 +35,7 @@ pub(super) async fn accept(
         Some(seal) => read_text(&tx, "SELECT response FROM seals", "key", &seal.key, now).await?,
         None => None,
     };
-    let payment = match lifecycle::transition(req) {
+    let payment = match &req.payment {
         Some(p) => {
             read_text(
                 &tx,
@@ -47,10 +48,16 @@ pub(super) async fn accept(
         }
         None => None,
     };
+    let payment = payment
+        .map(|status| {
+            PaymentStatus::parse(&status)
+                .ok_or_else(|| corrupt(format!("payment status `{status}`")))
+        })
+        .transpose()?;
     let read = AcceptRead {
         claim: claim.as_ref(),
         seal: seal.as_deref(),
-        payment: payment.as_deref(),
+        payment,
     };
     let plan = match lifecycle::accept(read, req, now, lifetimes) {
         AcceptDecision::Answer(outcome) => return Ok(outcome),
@@ -64,12 +71,12 @@ pub(super) async fn accept(
         }
         AcceptDecision::Record(plan) => plan,
     };
-    if let (Some(p), Some((status, ends_at))) = (lifecycle::transition(req), &plan.payment) {
+    if let (Some(p), Some((status, ends_at))) = (&req.payment, &plan.payment) {
         tx.execute(
             "INSERT INTO payments (payment_id, status, expires_at) VALUES ($1, $2, $3) \
              ON CONFLICT (payment_id) DO UPDATE SET status = excluded.status, \
              expires_at = excluded.expires_at",
-            &[&p.payment_id, status, ends_at],
+            &[&p.payment_id, &status.as_str(), ends_at],
         )
         .await
         .db()?;

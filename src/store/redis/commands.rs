@@ -10,6 +10,7 @@ use super::connection::Sent;
 use super::keys;
 use super::{RedisStore, corrupt, one_call, script_call, to_json};
 use crate::clock::Millis;
+use crate::payment::PaymentStatus;
 use crate::store::ids::claim_tail;
 use crate::store::lifecycle::{self, Effect, QueueMove, Snapshot};
 use crate::store::{
@@ -31,13 +32,17 @@ pub(super) async fn accept(
     let first = plan.message.state;
     // Without a payment or a seal the script still gets a key (one that is never written), so
     // the KEYS keep their positions.
-    let (payment_key, to, allowed) = match lifecycle::transition(req) {
+    let (payment_key, to, allowed) = match &req.payment {
         Some(p) => (
             keys.payment(&p.payment_id),
-            p.to.clone(),
-            p.allowed_from.join(" "),
+            p.to.as_str(),
+            p.allowed_from
+                .iter()
+                .map(|status| status.as_str())
+                .collect::<Vec<_>>()
+                .join(" "),
         ),
-        None => (keys.payment(""), String::new(), String::new()),
+        None => (keys.payment(""), "", String::new()),
     };
     let payment_ends = plan.payment.as_ref().map(|(_, ends)| *ends).unwrap_or(now);
     let (seal_key, seal_until) = match &req.seal {
@@ -84,7 +89,8 @@ pub(super) async fn accept(
         .arg(claim_tail(msg.id.partition(), &req.dedupe.key))
         .arg(compact_claim(req, now).unwrap_or_default())
         .arg(&due_if_head)
-        .arg(lifecycle::UNSEEN_PAYMENT);
+        // a payment the store does not know: never seen, or its state ended
+        .arg(PaymentStatus::Undefined.as_str());
     let reply: Vec<String> = store.eval(script, &call).await?;
     match reply.as_slice() {
         [ok] if ok == "ok" => {

@@ -5,8 +5,9 @@
 //! - **One Lua script per state change.** Accepting, claiming, completing, releasing, resending
 //!   and sweeping each read and write several keys; a script does all of it as one atomic step
 //!   in one round trip, so no client ever sees half a step and an accepted message is one
-//!   durable write (ARCHITECTURE.md §1.2). The rules are `store::lifecycle`'s
-//!   (src/store/lifecycle.rs); each script in `lua/` names the rule it implements.
+//!   durable write (ARCHITECTURE.md §1.2). The decisions are `store::lifecycle`'s
+//!   (src/store/lifecycle/rules.rs); each script in `lua/` names the rule whose effect it
+//!   applies.
 //! - **Keys hash-tagged by partition.** Every key of a message lives under the hash tag of its
 //!   partition, derived from the ordering key, so each script touches one slot and the store
 //!   runs on Redis Cluster as on one server. What spans partitions (claiming, sweeping,

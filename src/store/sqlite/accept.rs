@@ -8,6 +8,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use super::commands::join_queue;
 use super::error::{Db, corrupt};
 use crate::clock::Millis;
+use crate::payment::PaymentStatus;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
 use crate::store::{AcceptOutcome, AcceptRequest, StoreError};
 
@@ -42,7 +43,7 @@ pub(super) fn accept(
             .db()?,
         None => None,
     };
-    let payment: Option<String> = match lifecycle::transition(req) {
+    let payment: Option<String> = match &req.payment {
         Some(p) => conn
             .prepare_cached("SELECT status FROM payments WHERE payment_id = ?1 AND expires_at > ?2")
             .db()?
@@ -51,10 +52,16 @@ pub(super) fn accept(
             .db()?,
         None => None,
     };
+    let payment = payment
+        .map(|status| {
+            PaymentStatus::parse(&status)
+                .ok_or_else(|| corrupt(format!("payment status `{status}`")))
+        })
+        .transpose()?;
     let read = AcceptRead {
         claim: claim.as_ref(),
         seal: seal.as_deref(),
-        payment: payment.as_deref(),
+        payment,
     };
     let plan = match lifecycle::accept(read, req, now, lifetimes) {
         AcceptDecision::Answer(outcome) => return Ok(outcome),
@@ -67,14 +74,14 @@ pub(super) fn accept(
         }
         AcceptDecision::Record(plan) => plan,
     };
-    if let (Some(p), Some((status, ends_at))) = (lifecycle::transition(req), &plan.payment) {
+    if let (Some(p), Some((status, ends_at))) = (&req.payment, &plan.payment) {
         conn.prepare_cached(
             "INSERT INTO payments (payment_id, status, expires_at) VALUES (?1, ?2, ?3) \
              ON CONFLICT (payment_id) DO UPDATE SET status = excluded.status, \
              expires_at = excluded.expires_at",
         )
         .db()?
-        .execute(params![p.payment_id, status, ends_at])
+        .execute(params![p.payment_id, status.as_str(), ends_at])
         .db()?;
     }
     let claim = &req.dedupe;

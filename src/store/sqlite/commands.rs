@@ -368,7 +368,7 @@ fn store_operation(
     .map(|_| ())
 }
 
-/// Implements store::lifecycle::sweep (src/store/lifecycle.rs): deletes up to [`SWEEP_LIMIT`]
+/// Applies store::lifecycle::sweep (src/store/lifecycle/rules.rs): deletes up to [`SWEEP_LIMIT`]
 /// expired rows of each kind. `now` is the caller's time; operation reservations expire on
 /// the wall clock they were set with.
 pub(super) fn sweep(conn: &Connection, now: Millis) -> Result<usize, StoreError> {

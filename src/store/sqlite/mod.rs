@@ -23,7 +23,7 @@
 //! | file | holds |
 //! |---|---|
 //! | `writer.rs` | the group-commit engine, with no domain logic |
-//! | `accept.rs`, `commands.rs` | the lifecycle transactions; the rules they follow are `store::lifecycle`'s (src/store/lifecycle.rs) |
+//! | `accept.rs`, `commands.rs` | the lifecycle transactions; each reads a row, asks its `store::lifecycle` rule and applies the effect |
 //! | `reads.rs` | the reads |
 //! | `schema.sql`, `migrate.rs` | the tables and what each column holds; upgrades of older layouts; the recorded partition count |
 

@@ -1,6 +1,7 @@
 //! Accepting: queues, dedupe claims, signature seals, payment transitions and their ends.
 
 use super::*;
+use crate::payment::PaymentStatus;
 
 #[test]
 fn accept_queues_a_message_and_only_the_head_is_due() {
@@ -159,8 +160,11 @@ fn notification(payment_id: &str, to: &str, from: &[&str], now: Millis) -> Accep
     AcceptRequest {
         payment: Some(PaymentTransition {
             payment_id: payment_id.to_string(),
-            to: to.to_string(),
-            allowed_from: from.iter().map(|s| s.to_string()).collect(),
+            to: PaymentStatus::parse(to).expect("a payment status"),
+            allowed_from: from
+                .iter()
+                .map(|s| PaymentStatus::parse(s).expect("a payment status"))
+                .collect(),
         }),
         ..request(
             &format!("n/{payment_id}/{to}"),

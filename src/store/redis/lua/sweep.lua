@@ -1,4 +1,4 @@
--- Implements store::lifecycle::sweep (src/store/lifecycle.rs).
+-- Applies store::lifecycle::sweep (src/store/lifecycle/rules.rs): what ended by `now` is gone.
 -- Deletes what ended in one partition: the members of every expiry bucket that has begun
 -- whose end is at or before `now`. A bucket's members were pushed in the order they were
 -- written, nearly the order of their ends: a member still live stops its bucket (it and any

@@ -1,0 +1,582 @@
+//! The delivery policy, pure (§1.4): what the result of one attempt means for its message,
+//! and when the next attempt is. The dispatcher sends and records; this decides. Alerts and
+//! metrics name its outcomes by their labels, each spelled once here.
+//!
+//! * [`classify`]: a 2xx is delivered; a 410 is dead at once ([`DeathReason::Gone`]); any
+//!   other answer, or none (a timeout, a refused address...), is retried until the window's
+//!   deadline, after which the message is dead ([`DeathReason::Expired`]).
+//! * The schedule ([`next_attempt`]): delay(n) = min(max_backoff, initial × 2^n), jittered down
+//!   by up to half ("equal jitter": retries of many messages that failed together spread out,
+//!   and no delay is shorter than half its base). The store persists its result (the next
+//!   attempt time), so a restart never forgets a retry, and tests walk seven days of it in
+//!   microseconds.
+//! * `Retry-After` from the target is a lower bound: it can push the next attempt later (up
+//!   to [`MAX_RETRY_AFTER_MS`]) but never earlier than the schedule, so a receiver answering
+//!   `Retry-After: 0` (or a date in the past) cannot turn retries into a hot loop.
+//! * The window: no attempt is ever scheduled past the deadline; when the next one would be,
+//!   the last attempt lands exactly at the deadline; after an attempt at or past the deadline,
+//!   the message is dead.
+//! * [`FailureClass`] sorts a failed attempt for the failures metric, from a fixed set so
+//!   labels stay bounded.
+
+use crate::clock::{Millis, parse_http_date};
+use crate::store::{Completion, Lease, ReceiverAnswer};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    pub initial_ms: u64,
+    pub max_ms: u64,
+}
+
+/// The most a target's `Retry-After` may postpone the next attempt: a receiver asking for a
+/// week of silence still gets one attempt a day until the deadline.
+pub const MAX_RETRY_AFTER_MS: u64 = 24 * 3_600_000;
+
+/// Why an attempt got no HTTP status. The label is what the attempt's history records as its
+/// error, and its failure class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptError {
+    /// No answer within `dispatch.request_timeout_secs`.
+    Timeout,
+    /// No connection to the target.
+    Connect,
+    /// The target resolves only to addresses deliveries may not reach (`ssrf.rs`).
+    RefusedAddress,
+    /// Any other failure of the request.
+    Request,
+    /// The stored target URL does not parse.
+    BadUrl,
+}
+
+impl AttemptError {
+    pub const ALL: [AttemptError; 5] = [
+        AttemptError::Timeout,
+        AttemptError::Connect,
+        AttemptError::RefusedAddress,
+        AttemptError::Request,
+        AttemptError::BadUrl,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AttemptError::Timeout => "timeout",
+            AttemptError::Connect => "connect",
+            AttemptError::RefusedAddress => "refused_address",
+            AttemptError::Request => "request",
+            AttemptError::BadUrl => "bad_url",
+        }
+    }
+}
+
+/// What one attempt produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptResult {
+    pub status: Option<u16>,
+    /// Why there was no HTTP status.
+    pub error: Option<AttemptError>,
+    pub retry_after: Option<RetryAfter>,
+    /// The receiver's answer (bounded), when there was one.
+    pub response: Option<ReceiverAnswer>,
+}
+
+/// A target's `Retry-After`, as it came: a delay, or an instant. An instant is resolved when
+/// the attempt is classified, against the dispatcher's clock (not the host's: on a virtual
+/// clock, or a host whose clock is off, the two differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryAfter {
+    DelayMs(u64),
+    At(Millis),
+}
+
+impl RetryAfter {
+    /// The delay it asks for at `now`; an instant in the past asks for none.
+    pub fn delay_ms(self, now: Millis) -> u64 {
+        match self {
+            RetryAfter::DelayMs(ms) => ms,
+            RetryAfter::At(at) => u64::try_from(at.saturating_sub(now)).unwrap_or(0),
+        }
+    }
+}
+
+/// `Retry-After` as delay-seconds or an HTTP date.
+pub fn parse_retry_after(value: &str) -> Option<RetryAfter> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(RetryAfter::DelayMs(secs.saturating_mul(1000)));
+    }
+    parse_http_date(value).map(RetryAfter::At)
+}
+
+/// Why a message went dead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeathReason {
+    /// The receiver answered 410 Gone.
+    Gone,
+    /// The delivery window ran out.
+    Expired,
+}
+
+impl DeathReason {
+    pub const ALL: [DeathReason; 2] = [DeathReason::Gone, DeathReason::Expired];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DeathReason::Gone => "gone",
+            DeathReason::Expired => "expired",
+        }
+    }
+}
+
+/// What the store should do after an attempt, and why (for alerts and metrics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Verdict {
+    Delivered,
+    Retry(Millis),
+    Dead(DeathReason),
+}
+
+impl Verdict {
+    pub fn completion(self) -> Completion {
+        match self {
+            Verdict::Delivered => Completion::Delivered,
+            Verdict::Retry(next_at) => Completion::Retry { next_at },
+            Verdict::Dead(_) => Completion::Dead,
+        }
+    }
+}
+
+/// 2xx delivered; 410 dead at once; anything else retried until the deadline.
+pub fn classify(
+    result: &AttemptResult,
+    backoff: Backoff,
+    claimed: &Lease,
+    now: Millis,
+    jitter: f64,
+) -> Verdict {
+    match result.status {
+        Some(s) if (200..300).contains(&s) => Verdict::Delivered,
+        Some(410) => Verdict::Dead(DeathReason::Gone),
+        _ => match next_attempt(
+            backoff,
+            claimed.backoff_step,
+            now,
+            claimed.deadline,
+            jitter,
+            result.retry_after.map(|r| r.delay_ms(now)),
+        ) {
+            Next::RetryAt(at) => Verdict::Retry(at),
+            Next::GiveUp => Verdict::Dead(DeathReason::Expired),
+        },
+    }
+}
+
+/// What to do after a failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    RetryAt(Millis),
+    GiveUp,
+}
+
+/// Base delay before retry number `step + 1` (step = failures so far, minus one).
+pub fn base_delay_ms(backoff: Backoff, step: u32) -> u64 {
+    let factor = 1u64.checked_shl(step.min(63)).unwrap_or(u64::MAX);
+    backoff
+        .initial_ms
+        .saturating_mul(factor)
+        .min(backoff.max_ms)
+}
+
+/// Decides the next attempt after a failure at `now`.
+///
+/// * `step` — failed attempts before this one (0 after the first failure);
+/// * `jitter` — a number in `[0, 1)` from the caller's RNG (0 = no jitter);
+/// * `retry_after_ms` — the target's `Retry-After` (already resolved against the caller's
+///   clock), when it sent one: the delay is `max(scheduled, min(retry_after, 24 h))`.
+pub fn next_attempt(
+    backoff: Backoff,
+    step: u32,
+    now: Millis,
+    deadline: Millis,
+    jitter: f64,
+    retry_after_ms: Option<u64>,
+) -> Next {
+    if now >= deadline {
+        return Next::GiveUp;
+    }
+    let base = base_delay_ms(backoff, step);
+    let scheduled = base - (base as f64 * jitter.clamp(0.0, 1.0) / 2.0) as u64;
+    // Capping Retry-After (not the sum) keeps a configured `max_backoff` above 24 h intact.
+    let asked = retry_after_ms.map_or(0, |ms| ms.min(MAX_RETRY_AFTER_MS));
+    let delay = scheduled.max(asked);
+    let at = now.saturating_add(i64::try_from(delay).unwrap_or(i64::MAX));
+    Next::RetryAt(at.min(deadline))
+}
+
+/// The class of a failed attempt, for the failures metric: the status class when the receiver
+/// answered, else why it did not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureClass {
+    /// `1xx`.
+    Informational,
+    /// `3xx`: redirects are not followed.
+    Redirection,
+    /// `4xx`.
+    ClientError,
+    /// `5xx`, and any status outside the classes above.
+    ServerError,
+    /// No status: the error's label.
+    NoAnswer(AttemptError),
+}
+
+impl FailureClass {
+    /// The classes of an answer's status, in order.
+    const STATUS_CLASSES: [FailureClass; 4] = [
+        FailureClass::Informational,
+        FailureClass::Redirection,
+        FailureClass::ClientError,
+        FailureClass::ServerError,
+    ];
+
+    /// The statuses' classes, then every [`AttemptError`]: built from both, so a new error
+    /// cannot be left out.
+    pub const ALL: [FailureClass; FailureClass::STATUS_CLASSES.len() + AttemptError::ALL.len()] = {
+        let mut all = [FailureClass::ServerError;
+            FailureClass::STATUS_CLASSES.len() + AttemptError::ALL.len()];
+        let mut i = 0;
+        while i < all.len() {
+            all[i] = if i < FailureClass::STATUS_CLASSES.len() {
+                FailureClass::STATUS_CLASSES[i]
+            } else {
+                FailureClass::NoAnswer(AttemptError::ALL[i - FailureClass::STATUS_CLASSES.len()])
+            };
+            i += 1;
+        }
+        all
+    };
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FailureClass::Informational => "1xx",
+            FailureClass::Redirection => "3xx",
+            FailureClass::ClientError => "4xx",
+            FailureClass::ServerError => "5xx",
+            FailureClass::NoAnswer(error) => error.as_str(),
+        }
+    }
+
+    /// The class of `result`; none for a 2xx, which is no failure.
+    pub fn of(result: &AttemptResult) -> Option<FailureClass> {
+        let Some(status) = result.status else {
+            return Some(FailureClass::NoAnswer(
+                result.error.unwrap_or(AttemptError::Request),
+            ));
+        };
+        match status / 100 {
+            1 => Some(FailureClass::Informational),
+            2 => None,
+            3 => Some(FailureClass::Redirection),
+            4 => Some(FailureClass::ClientError),
+            _ => Some(FailureClass::ServerError),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::store::{MessageId, MessageKind, NewMessage, Partitions};
+
+    fn claimed(backoff_step: u32, deadline: Millis) -> Lease {
+        Lease {
+            message: NewMessage {
+                id: MessageId::generate(0, "k", Partitions::DEFAULT),
+                kind: MessageKind::Notification,
+                source: None,
+                payment_id: Some("p".into()),
+                transaction_id: None,
+                ordering_key: "k".into(),
+                event: Some("PIX_RECEIVED".into()),
+                target_url: Some("http://example.com/cb".into()),
+                headers: BTreeMap::new(),
+                body: "{}".into(),
+                created_at: 0,
+                deadline,
+            },
+            token: 1,
+            attempts: 2,
+            backoff_step,
+            deadline,
+            resume_at: None,
+            again: false,
+        }
+    }
+
+    const BACKOFF: Backoff = Backoff {
+        initial_ms: 1000,
+        max_ms: 3_600_000,
+    };
+
+    fn status(s: u16) -> AttemptResult {
+        AttemptResult {
+            status: Some(s),
+            error: None,
+            retry_after: None,
+            response: None,
+        }
+    }
+
+    #[test]
+    fn classification() {
+        let c = claimed(0, 100_000);
+        assert_eq!(
+            classify(&status(204), BACKOFF, &c, 0, 0.0),
+            Verdict::Delivered
+        );
+        assert_eq!(
+            classify(&status(410), BACKOFF, &c, 0, 0.0),
+            Verdict::Dead(DeathReason::Gone)
+        );
+        for s in [500, 503, 429, 404, 301, 400] {
+            assert_eq!(
+                classify(&status(s), BACKOFF, &c, 0, 0.0),
+                Verdict::Retry(1000),
+                "{s}"
+            );
+        }
+        let timeout = AttemptResult {
+            status: None,
+            error: Some(AttemptError::Timeout),
+            retry_after: None,
+            response: None,
+        };
+        assert_eq!(
+            classify(&timeout, BACKOFF, &claimed(3, 100_000), 0, 0.0),
+            Verdict::Retry(8000)
+        );
+        let later = AttemptResult {
+            status: Some(429),
+            error: None,
+            retry_after: Some(RetryAfter::DelayMs(30_000)),
+            response: None,
+        };
+        assert_eq!(
+            classify(&later, BACKOFF, &c, 5, 0.0),
+            Verdict::Retry(30_005)
+        );
+        // A date is resolved against the `now` given (the dispatcher's clock), and one in the
+        // past or `Retry-After: 0` keeps the scheduled delay instead of retrying at once.
+        let date = AttemptResult {
+            retry_after: Some(RetryAfter::At(50_000)),
+            ..later.clone()
+        };
+        assert_eq!(
+            classify(&date, BACKOFF, &c, 20_000, 0.0),
+            Verdict::Retry(50_000)
+        );
+        for retry_after in [RetryAfter::At(1_000), RetryAfter::DelayMs(0)] {
+            let soon = AttemptResult {
+                retry_after: Some(retry_after),
+                ..later.clone()
+            };
+            assert_eq!(
+                classify(&soon, BACKOFF, &c, 20_000, 0.0),
+                Verdict::Retry(21_000),
+                "{retry_after:?}"
+            );
+        }
+        assert_eq!(
+            classify(&status(500), BACKOFF, &c, 100_000, 0.0),
+            Verdict::Dead(DeathReason::Expired)
+        );
+    }
+
+    fn class(result: &AttemptResult) -> Option<&'static str> {
+        FailureClass::of(result).map(FailureClass::as_str)
+    }
+
+    #[test]
+    fn failure_classes() {
+        assert_eq!(class(&status(503)), Some("5xx"));
+        assert_eq!(class(&status(410)), Some("4xx"));
+        assert_eq!(class(&status(302)), Some("3xx"));
+        assert_eq!(class(&status(204)), None, "a 2xx is no failure");
+        for (error, label) in [
+            (AttemptError::Timeout, "timeout"),
+            (AttemptError::Connect, "connect"),
+            (AttemptError::RefusedAddress, "refused_address"),
+            (AttemptError::BadUrl, "bad_url"),
+            (AttemptError::Request, "request"),
+        ] {
+            let r = AttemptResult {
+                status: None,
+                error: Some(error),
+                retry_after: None,
+                response: None,
+            };
+            assert_eq!(class(&r), Some(label));
+        }
+    }
+
+    /// Metrics, alerts and the API show these labels: they stay byte for byte.
+    #[test]
+    fn labels_are_listed_in_order() {
+        let labels = |all: &[FailureClass]| all.iter().map(|c| c.as_str()).collect::<Vec<_>>();
+        assert_eq!(
+            labels(&FailureClass::ALL),
+            [
+                "1xx",
+                "3xx",
+                "4xx",
+                "5xx",
+                "timeout",
+                "connect",
+                "refused_address",
+                "request",
+                "bad_url"
+            ]
+        );
+        assert_eq!(
+            DeathReason::ALL.map(DeathReason::as_str),
+            ["gone", "expired"]
+        );
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        assert_eq!(parse_retry_after("120"), Some(RetryAfter::DelayMs(120_000)));
+        assert_eq!(parse_retry_after(" 0 "), Some(RetryAfter::DelayMs(0)));
+        // 1,000,000 s after the epoch.
+        let date = "Mon, 12 Jan 1970 13:46:40 GMT";
+        assert_eq!(parse_retry_after(date), Some(RetryAfter::At(1_000_000_000)));
+        assert_eq!(RetryAfter::At(1_000_000_000).delay_ms(999_910_000), 90_000);
+        assert_eq!(RetryAfter::At(1_000_000_000).delay_ms(1_000_090_000), 0);
+        assert_eq!(parse_retry_after("soon"), None);
+        assert_eq!(parse_retry_after("-5"), None);
+    }
+
+    const DEFAULT: Backoff = Backoff {
+        initial_ms: 1_000,
+        max_ms: 3_600_000,
+    };
+    const WEEK: Millis = 7 * 86_400_000;
+
+    /// Walks the schedule of a target that is always down, from acceptance at 0.
+    fn attempts_until_dead(backoff: Backoff, deadline: Millis, jitter: f64) -> Vec<Millis> {
+        let mut now = 0;
+        let mut times = vec![now];
+        let mut step = 0;
+        while let Next::RetryAt(at) = next_attempt(backoff, step, now, deadline, jitter, None) {
+            assert!(at > now, "time moves forward");
+            now = at;
+            times.push(now);
+            step += 1;
+        }
+        times
+    }
+
+    #[test]
+    fn doubles_then_caps() {
+        let delays: Vec<u64> = (0..14).map(|n| base_delay_ms(DEFAULT, n)).collect();
+        assert_eq!(&delays[..4], &[1_000, 2_000, 4_000, 8_000]);
+        assert_eq!(delays[11], 2_048_000);
+        assert_eq!(delays[12], 3_600_000);
+        assert_eq!(base_delay_ms(DEFAULT, 500), 3_600_000);
+    }
+
+    #[test]
+    fn seven_days_without_jitter_ends_exactly_at_the_deadline() {
+        let times = attempts_until_dead(DEFAULT, WEEK, 0.0);
+        assert_eq!(*times.last().unwrap(), WEEK);
+        assert!(times.iter().all(|t| *t <= WEEK));
+        // 13 doubling attempts (incl. the first) reach 4095 s, then hourly, then the deadline.
+        assert_eq!(
+            times.len(),
+            13 + (WEEK as usize - 4_095_000) / 3_600_000 + 1
+        );
+    }
+
+    #[test]
+    fn jitter_stays_within_half_and_never_passes_the_deadline() {
+        for jitter in [0.0, 0.25, 0.5, 0.999] {
+            let times = attempts_until_dead(DEFAULT, WEEK, jitter);
+            assert_eq!(*times.last().unwrap(), WEEK);
+            for (step, pair) in times.windows(2).enumerate() {
+                let gap = (pair[1] - pair[0]) as u64;
+                let base = base_delay_ms(DEFAULT, step as u32);
+                assert!(gap <= base, "gap {gap} > base {base}");
+                assert!(
+                    gap >= base / 2 || pair[1] == WEEK,
+                    "gap {gap} < half of {base}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn retry_after_postpones_but_not_past_the_deadline() {
+        assert_eq!(
+            next_attempt(DEFAULT, 0, 1_000, WEEK, 0.0, Some(120_000)),
+            Next::RetryAt(121_000)
+        );
+        // Longer than the scheduled delay is honoured; 24 h is the most it may ask.
+        assert_eq!(
+            next_attempt(DEFAULT, 12, 0, WEEK, 0.0, Some(5 * 3_600_000)),
+            Next::RetryAt(5 * 3_600_000)
+        );
+        assert_eq!(
+            next_attempt(DEFAULT, 0, 0, WEEK, 0.0, Some(3 * 86_400_000)),
+            Next::RetryAt(MAX_RETRY_AFTER_MS as Millis)
+        );
+        assert_eq!(
+            next_attempt(DEFAULT, 0, WEEK - 10, WEEK, 0.0, Some(120_000)),
+            Next::RetryAt(WEEK)
+        );
+        assert_eq!(
+            next_attempt(DEFAULT, 0, WEEK, WEEK, 0.0, None),
+            Next::GiveUp
+        );
+    }
+
+    #[test]
+    fn retry_after_never_shortens_the_schedule() {
+        for jitter in [0.0, 0.5, 0.999] {
+            for step in [0, 3, 12, 40] {
+                let scheduled = next_attempt(DEFAULT, step, 1_000, WEEK, jitter, None);
+                // `Retry-After: 0`, a date in the past (resolved to 0) and a short delay all
+                // keep the scheduled time.
+                for asked in [0, 1, 499] {
+                    assert_eq!(
+                        next_attempt(DEFAULT, step, 1_000, WEEK, jitter, Some(asked)),
+                        scheduled,
+                        "step {step}, jitter {jitter}, Retry-After {asked} ms"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn retry_after_zero_walks_the_plain_schedule() {
+        // A target that always answers `Retry-After: 0` is retried exactly as one that sends
+        // no Retry-After: the same 180 attempts over seven days, not a hot loop.
+        let mut now = 0;
+        let mut step = 0;
+        let mut times = vec![now];
+        while let Next::RetryAt(at) = next_attempt(DEFAULT, step, now, WEEK, 0.0, Some(0)) {
+            assert!(at > now, "time moves forward");
+            now = at;
+            times.push(now);
+            step += 1;
+        }
+        assert_eq!(times, attempts_until_dead(DEFAULT, WEEK, 0.0));
+    }
+
+    #[test]
+    fn a_short_window_gives_up_sooner() {
+        let times = attempts_until_dead(DEFAULT, 15 * 60_000, 0.0);
+        assert_eq!(*times.last().unwrap(), 15 * 60_000);
+        assert!(times.len() < 15);
+    }
+}
