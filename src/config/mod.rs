@@ -5,12 +5,13 @@
 //! - this file: the file's shape ([`Config`], one struct per section) and its defaults;
 //! - `load.rs`: the file and the environment, layered;
 //! - `validate.rs`: the checks, and how strong a token must be on a public `server.listen`;
-//! - `sources.rs`: `[sources.<name>]` and the signature schemes;
-//! - `settings.rs`: typed settings per component, derived once when the app is built.
+//! - `sources.rs`: `[sources.<name>]` and the signature schemes.
+//!
+//! Config is a leaf: it holds plain data and names no runtime object. The typed settings and
+//! what they build (verifiers, SSRF guards, the backoff) are derived in `app::settings`.
 
 mod alerts;
 mod load;
-mod settings;
 mod sources;
 mod validate;
 
@@ -24,11 +25,6 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 pub use alerts::AlertsConfig;
-pub use settings::AlertSettings;
-pub use settings::{
-    DispatchSettings, ForwardSettings, ServerSettings, Settings, SourceSettings, Sources,
-    StoreSettings,
-};
 pub use sources::{SignatureScheme, SourceConfig};
 
 /// Environment variable naming the config file when `--config` is not given.
@@ -57,7 +53,8 @@ pub enum ConfigError {
     Invalid { key: String, message: String },
 }
 
-fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+/// A refusal of `key`; also used by `app::settings` for what only deriving the settings finds.
+pub(crate) fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         key: key.into(),
         message: message.into(),
