@@ -14,14 +14,14 @@ use std::time::Duration;
 
 use crate::clock::{Millis, deadline, millis};
 use crate::config::{
-    AlertsConfig, AuthConfig, Config, ConfigError, SourceConfig, StoreLocation, invalid,
+    AlertsConfig, AuthConfig, Config, ConfigError, SourceConfig, StoreLocation, StoreTls, invalid,
 };
 use crate::inbound::dedupe::DEFAULT_FIELDS;
 use crate::ssrf::SsrfGuard;
 use crate::store::Partitions;
 use crate::store::lifecycle::policy::Backoff;
-use crate::store::postgres::PostgresOptions;
-use crate::store::redis::RedisOptions;
+use crate::store::postgres::{ClientCertificate, PostgresOptions, PostgresTls};
+use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls};
 use crate::webhook::{Verifier, decode_whsec};
 
 /// Every component's settings.
@@ -197,15 +197,17 @@ impl Settings {
             max_connections: server.max_connections,
             max_streams_per_connection: server.max_streams_per_connection,
         };
+        let location = config.store_location()?;
+        let (redis, postgres) = engine_options(&location, &store.key_prefix, config.store_tls()?);
         let store = StoreSettings {
-            location: config.store_location()?,
+            location,
             dedupe_ttl: Duration::from_secs(store.dedupe_ttl_secs),
             payment_retention: Duration::from_secs(store.payment_retention_secs),
             sweep_interval: Duration::from_secs(store.sweep_interval_secs),
             timeout: Duration::from_millis(store.timeout_ms),
             require_durable: store.require_durable,
-            redis: config.redis_options()?,
-            postgres: config.postgres_options()?,
+            redis,
+            postgres,
             min_replicas_acked: store.min_replicas_acked,
             partitions: config.partitions()?,
             healthz_fails_after: (store.healthz_fails_after_secs > 0)
@@ -245,6 +247,41 @@ impl Settings {
             alerts,
         })
     }
+}
+
+/// The engines' options: the key prefix is Redis', the certificates go to the engine `location`
+/// names.
+fn engine_options(
+    location: &StoreLocation,
+    key_prefix: &str,
+    tls: StoreTls,
+) -> (RedisOptions, PostgresOptions) {
+    // The partition count is the store's setting, not only one engine's: `StoreSettings` has it.
+    let mut redis = RedisOptions {
+        key_prefix: key_prefix.to_string(),
+        tls: None,
+        partitions: None,
+    };
+    let StoreTls { ca_pem, client } = tls;
+    if let StoreLocation::Postgres(_) = location {
+        let client = client.map(|c| ClientCertificate {
+            cert_pem: c.cert_pem,
+            key_pem: c.key_pem,
+        });
+        let postgres = PostgresOptions {
+            tls: PostgresTls { ca_pem, client },
+            ..PostgresOptions::default()
+        };
+        return (redis, postgres);
+    }
+    redis.tls = ca_pem.map(|ca_pem| RedisTls {
+        ca_pem,
+        client: client.map(|c| ClientIdentity {
+            cert_pem: c.cert_pem,
+            key_pem: c.key_pem,
+        }),
+    });
+    (redis, PostgresOptions::default())
 }
 
 impl SourceSettings {
@@ -309,6 +346,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("must be 1 to 256 (got 300)"), "{err}");
+    }
+
+    #[test]
+    fn the_key_prefix_reaches_the_redis_options() {
+        let redis = |text: &str| {
+            Settings::from_config(&load(text, &[]).unwrap())
+                .unwrap()
+                .store
+                .redis
+        };
+        assert_eq!(redis("").key_prefix, "cb");
+        assert_eq!(
+            redis("[store]\nkey_prefix = \"tenant-b.eu_1\"\n").key_prefix,
+            "tenant-b.eu_1"
+        );
     }
 
     #[test]

@@ -7,8 +7,11 @@
 //! - `validate.rs`: the checks, and how strong a token must be on a public `server.listen`;
 //! - `sources.rs`: `[sources.<name>]` and the signature schemes.
 //!
-//! Config is a leaf: it holds plain data and names no runtime object. The typed settings and
-//! what they build (verifiers, SSRF guards, the backoff) are derived in `app::settings`.
+//! Config holds plain data and builds no runtime object: the typed settings and what they build
+//! (verifiers, SSRF guards, the backoff, the store engines' options) are derived in
+//! `app::settings`. It calls below itself only for pure rules its checks share with the code
+//! that applies them (`decode_whsec`, `is_forbidden`, the store's URL, key prefix and partition
+//! count checks).
 
 mod alerts;
 mod load;
@@ -233,6 +236,23 @@ impl Default for LogConfig {
             level: "info".into(),
         }
     }
+}
+
+/// `store.tls_*`, read and checked: the PEM files' contents, which `app::settings` hands to the
+/// engine `store.url` names.
+#[derive(Clone, Default)]
+pub struct StoreTls {
+    /// The CA certificates the server's certificate must chain to.
+    pub ca_pem: Option<Vec<u8>>,
+    /// Certificate chain and private key presented to a server that authenticates clients.
+    pub client: Option<ClientPem>,
+}
+
+/// `store.tls_cert_file` and `store.tls_key_file`, read and parsed.
+#[derive(Clone)]
+pub struct ClientPem {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
 }
 
 /// Where the store lives, parsed from `store.url`.

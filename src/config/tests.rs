@@ -373,9 +373,6 @@ fn refusal(text: &str) -> (String, String) {
 fn key_prefix_defaults_to_the_layout_names_and_refuses_what_would_break_them() {
     let c = load("", &[]).unwrap();
     assert_eq!(c.store.key_prefix, "cb");
-    assert_eq!(c.redis_options().unwrap().key_prefix, "cb");
-    let c = load("[store]\nkey_prefix = \"tenant-b.eu_1\"\n", &[]).unwrap();
-    assert_eq!(c.redis_options().unwrap().key_prefix, "tenant-b.eu_1");
     for bad in ["", "a:b", "{p}", "a b", "cb*", &"x".repeat(65)] {
         let (key, message) = refusal(&format!("[store]\nkey_prefix = \"{bad}\"\n"));
         assert_eq!(key, "store.key_prefix", "{bad:?}: {message}");
