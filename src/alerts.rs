@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use serde_json::{Map, Value, json};
 
+use crate::app::AlertSettings;
 use crate::clock::{Millis, format_iso};
-use crate::config::AlertSettings;
 use crate::digest::short_hash;
 use crate::ordering::OrderingKey;
 use crate::redact::display_url;

@@ -1,4 +1,7 @@
-//! The state every handler and the dispatcher share, built once from the config.
+//! The state every handler and the dispatcher share, built once from the config, and the
+//! typed settings it is built from (`settings.rs`).
+
+mod settings;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,8 +11,13 @@ use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, millis};
-use crate::config::{Config, Settings};
+use crate::config::Config;
 use crate::store::{Store, StoreError};
+
+pub use settings::{
+    AlertSettings, DispatchSettings, ForwardSettings, ServerSettings, Settings, SourceSettings,
+    Sources, StoreSettings,
+};
 
 pub struct App {
     /// The typed settings derived from the config, once.

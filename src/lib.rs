@@ -52,9 +52,9 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use app::App;
+use app::{App, ServerSettings, Settings, StoreSettings};
 use clock::Clock;
-use config::{Config, ServerSettings, Settings, StoreLocation, StoreSettings};
+use config::{Config, StoreLocation};
 use dispatch::Dispatcher;
 use durability::Verdict;
 use store::postgres::{PostgresOptions, PostgresStore};

@@ -10,7 +10,8 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use callbackd::config::{Config, LogFormat, Settings};
+use callbackd::app::Settings;
+use callbackd::config::{Config, LogFormat};
 use callbackd::store::Partitions;
 
 /// glibc's allocator took about a quarter of callbackd's CPU under ingest (BENCHMARKS.md,

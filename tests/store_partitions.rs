@@ -34,7 +34,7 @@ async fn open(url: &str, partitions: Option<u16>) -> Result<Arc<dyn Store>, Star
     }
     let config = Config::from_toml_str(&text, Path::new("test.toml"), std::iter::empty())
         .expect("a valid config");
-    let settings = callbackd::config::Settings::from_config(&config).expect("settings");
+    let settings = callbackd::app::Settings::from_config(&config).expect("settings");
     callbackd::open_store(&settings.store).await
 }
 

@@ -5,12 +5,16 @@
 //! - this file: the file's shape ([`Config`], one struct per section) and its defaults;
 //! - `load.rs`: the file and the environment, layered;
 //! - `validate.rs`: the checks, and how strong a token must be on a public `server.listen`;
-//! - `sources.rs`: `[sources.<name>]` and the signature schemes;
-//! - `settings.rs`: typed settings per component, derived once when the app is built.
+//! - `sources.rs`: `[sources.<name>]` and the signature schemes.
+//!
+//! Config holds plain data and builds no runtime object: the typed settings and what they build
+//! (verifiers, SSRF guards, the backoff, the store engines' options) are derived in
+//! `app::settings`. It calls below itself only for pure rules its checks share with the code
+//! that applies them (`decode_whsec`, `is_forbidden`, the store's URL, key prefix and partition
+//! count checks).
 
 mod alerts;
 mod load;
-mod settings;
 mod sources;
 mod validate;
 
@@ -24,11 +28,6 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 pub use alerts::AlertsConfig;
-pub use settings::AlertSettings;
-pub use settings::{
-    DispatchSettings, ForwardSettings, ServerSettings, Settings, SourceSettings, Sources,
-    StoreSettings,
-};
 pub use sources::{SignatureScheme, SourceConfig};
 
 /// Environment variable naming the config file when `--config` is not given.
@@ -57,7 +56,8 @@ pub enum ConfigError {
     Invalid { key: String, message: String },
 }
 
-fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+/// A refusal of `key`; also used by `app::settings` for what only deriving the settings finds.
+pub(crate) fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         key: key.into(),
         message: message.into(),
@@ -236,6 +236,23 @@ impl Default for LogConfig {
             level: "info".into(),
         }
     }
+}
+
+/// `store.tls_*`, read and checked: the PEM files' contents, which `app::settings` hands to the
+/// engine `store.url` names.
+#[derive(Clone, Default)]
+pub struct StoreTls {
+    /// The CA certificates the server's certificate must chain to.
+    pub ca_pem: Option<Vec<u8>>,
+    /// Certificate chain and private key presented to a server that authenticates clients.
+    pub client: Option<ClientPem>,
+}
+
+/// `store.tls_cert_file` and `store.tls_key_file`, read and parsed.
+#[derive(Clone)]
+pub struct ClientPem {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
 }
 
 /// Where the store lives, parsed from `store.url`.

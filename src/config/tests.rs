@@ -1,9 +1,6 @@
-//! The loader, the validation and the settings, through `Config::from_toml_str`.
+//! The loader and the validation, through `Config::from_toml_str`.
 
 use std::path::Path;
-use std::time::Duration;
-
-use crate::clock::{Millis, deadline, millis};
 
 use super::*;
 
@@ -364,99 +361,6 @@ fn env_values_that_fit_no_reading_keep_their_first_error() {
     }
 }
 
-#[test]
-fn partitions_are_the_stores_unless_set() {
-    let unset = load("", &[]).unwrap();
-    assert_eq!(unset.store.partitions, None);
-    assert_eq!(
-        Settings::from_config(&unset).unwrap().store.partitions,
-        None
-    );
-    let set = load("[store]\npartitions = 128\n", &[]).unwrap();
-    assert_eq!(
-        Settings::from_config(&set).unwrap().store.partitions,
-        crate::store::Partitions::new(128)
-    );
-    let env = load("", &[("CALLBACKD__STORE__PARTITIONS", "256")]).unwrap();
-    assert_eq!(env.store.partitions, Some(256));
-    let err = load("[store]\npartitions = 300\n", &[])
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("must be 1 to 256 (got 300)"), "{err}");
-}
-
-#[test]
-fn min_replicas_acked_reaches_the_store_settings() {
-    let text = "[store]\nurl = \"redis://127.0.0.1:6379/0\"\nmin_replicas_acked = 16\n";
-    let c = load(text, &[]).unwrap();
-    assert_eq!(
-        Settings::from_config(&c).unwrap().store.min_replicas_acked,
-        16
-    );
-    let c = load(
-        "[store]\nurl = \"redis://127.0.0.1:6379/0\"\n",
-        &[("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "2")],
-    )
-    .unwrap();
-    assert_eq!(c.store.min_replicas_acked, 2);
-}
-
-#[test]
-fn settings_are_typed_and_derived_once() {
-    let c = load(
-        "[server]\nshutdown_grace_secs = 7\nrequest_timeout_secs = 9\n\
-         [store]\ntimeout_ms = 250\ndedupe_ttl_secs = 60\npayment_retention_secs = 120\n\
-         [dispatch]\nmax_age_secs = 3\ninitial_backoff_ms = 200\nmax_backoff_secs = 2\n\
-         request_timeout_ms = 1500\nlease_secs = 7\nallow_private_networks = true\n\
-         [sources.p]\nsignature = \"none\"\nforward_url = \"http://10.1.2.3/hook\"\n\
-         allow_private_forward_url = true\nforward_headers = { Authorization = \"Bearer x\" }\n\
-         forward_secret = \"whsec_MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=\"\n\
-         [sources.q]\nsignature = \"none\"\ndedupe_fields = [\"/id\"]\n",
-        &[],
-    )
-    .unwrap();
-    let s = Settings::from_config(&c).unwrap();
-    assert_eq!(s.server.shutdown_grace, Duration::from_secs(7));
-    assert_eq!(s.server.request_timeout, Duration::from_secs(9));
-    assert_eq!(s.server.header_timeout, Duration::from_secs(10));
-    assert_eq!(s.store.timeout, Duration::from_millis(250));
-    assert_eq!(s.store.dedupe_ttl, Duration::from_secs(60));
-    assert_eq!(s.store.payment_retention, Duration::from_secs(120));
-    assert_eq!(s.store.sweep_interval, Duration::from_secs(30));
-    assert!(matches!(s.store.location, StoreLocation::Sqlite(_)));
-    let d = &s.dispatch;
-    assert_eq!(d.max_age, Duration::from_secs(3));
-    assert_eq!((d.backoff.initial_ms, d.backoff.max_ms), (200, 2_000));
-    assert_eq!(d.request_timeout, Duration::from_millis(1500));
-    assert_eq!(millis(d.lease), 7_000);
-    assert_eq!(d.deadline(1_000), 4_000);
-    assert!(d.callback_ssrf.allow_private);
-    let p = &s.sources["p"];
-    assert_eq!(p.forward_url.as_deref(), Some("http://10.1.2.3/hook"));
-    assert!(p.forward.ssrf.allow_private);
-    assert_eq!(p.forward.headers["Authorization"], "Bearer x");
-    assert_eq!(
-        p.forward.signing_secret.as_deref(),
-        Some(b"0123456789abcdef0123456789abcdef".as_slice())
-    );
-    assert_eq!(
-        p.dedupe_fields.len(),
-        crate::inbound::dedupe::DEFAULT_FIELDS.len()
-    );
-    let q = &s.sources["q"];
-    assert_eq!(q.dedupe_fields, ["/id"]);
-    assert!(!q.forward.ssrf.allow_private && q.forward.signing_secret.is_none());
-    assert!(s.alerts.is_none());
-    let debug = format!("{p:?}");
-    assert!(!debug.contains("Bearer x"), "{debug}");
-}
-
-#[test]
-fn deadlines_saturate() {
-    assert_eq!(deadline(5, Duration::from_secs(u64::MAX)), Millis::MAX);
-    assert_eq!(millis(Duration::from_secs(u64::MAX)), u64::MAX);
-}
-
 /// The invalid key and message of a config that must be refused.
 fn refusal(text: &str) -> (String, String) {
     match load(text, &[]) {
@@ -469,9 +373,6 @@ fn refusal(text: &str) -> (String, String) {
 fn key_prefix_defaults_to_the_layout_names_and_refuses_what_would_break_them() {
     let c = load("", &[]).unwrap();
     assert_eq!(c.store.key_prefix, "cb");
-    assert_eq!(c.redis_options().unwrap().key_prefix, "cb");
-    let c = load("[store]\nkey_prefix = \"tenant-b.eu_1\"\n", &[]).unwrap();
-    assert_eq!(c.redis_options().unwrap().key_prefix, "tenant-b.eu_1");
     for bad in ["", "a:b", "{p}", "a b", "cb*", &"x".repeat(65)] {
         let (key, message) = refusal(&format!("[store]\nkey_prefix = \"{bad}\"\n"));
         assert_eq!(key, "store.key_prefix", "{bad:?}: {message}");

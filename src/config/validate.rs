@@ -9,12 +9,11 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use super::{
-    Config, ConfigError, LEASE_MARGIN_MS, MAX_MIN_REPLICAS_ACKED, MAX_SWEEP_INTERVAL_SECS,
-    StoreLocation, invalid,
+    ClientPem, Config, ConfigError, LEASE_MARGIN_MS, MAX_MIN_REPLICAS_ACKED,
+    MAX_SWEEP_INTERVAL_SECS, StoreLocation, StoreTls, invalid,
 };
 use crate::store::partitions::Partitions;
-use crate::store::postgres::{ClientCertificate, PostgresOptions, PostgresTls};
-use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls, key_prefix_problem};
+use crate::store::redis::key_prefix_problem;
 
 /// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
 /// 128 bits, which nobody guesses.
@@ -64,8 +63,8 @@ impl Exposure {
 impl Config {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         self.store_location()?;
-        self.redis_options()?;
-        self.postgres_options()?;
+        self.validate_key_prefix()?;
+        self.store_tls()?;
         if let Some(alerts) = &self.alerts {
             alerts.validate()?;
         }
@@ -230,17 +229,20 @@ impl Config {
         parse_store_url(&self.store.url)
     }
 
-    /// `store.key_prefix` and `store.tls_*`, with the PEM files read and parsed, so a missing
-    /// or unreadable file stops the start naming its key and path. On a PostgreSQL URL the TLS
-    /// files are [`Config::postgres_options`]'.
-    pub fn redis_options(&self) -> Result<RedisOptions, ConfigError> {
-        let store = &self.store;
-        if let Some(problem) = key_prefix_problem(&store.key_prefix) {
-            return Err(invalid(
-                "store.key_prefix",
-                format!("`{}` {problem}", store.key_prefix),
-            ));
+    /// `store.key_prefix`, checked by the Redis engine's rule for it.
+    fn validate_key_prefix(&self) -> Result<(), ConfigError> {
+        let prefix = &self.store.key_prefix;
+        match key_prefix_problem(prefix) {
+            Some(problem) => Err(invalid("store.key_prefix", format!("`{prefix}` {problem}"))),
+            None => Ok(()),
         }
+    }
+
+    /// `store.tls_*`, with the PEM files read and parsed, so a missing or unreadable file stops
+    /// the start naming its key and path. They apply to a TLS Redis, which needs the CA with a
+    /// client certificate, or to PostgreSQL, which without a CA trusts the system's roots.
+    pub fn store_tls(&self) -> Result<StoreTls, ConfigError> {
+        let store = &self.store;
         let tls_keys = [
             ("store.tls_ca_file", &store.tls_ca_file),
             ("store.tls_cert_file", &store.tls_cert_file),
@@ -257,50 +259,19 @@ impl Config {
                  rediss:// or postgres://",
             ));
         }
-        let tls = if postgres {
-            None
-        } else {
-            let client = self.client_identity()?;
-            match self.ca_pem()? {
-                Some(ca_pem) => Some(RedisTls { ca_pem, client }),
-                None if client.is_some() => {
-                    return Err(invalid(
-                        "store.tls_ca_file",
-                        "is required with store.tls_cert_file and store.tls_key_file",
-                    ));
-                }
-                None => None,
-            }
-        };
-        // The partition count is the store's setting, not only Redis': `StoreSettings` has it.
-        Ok(RedisOptions {
-            key_prefix: store.key_prefix.clone(),
-            tls,
-            partitions: None,
-        })
-    }
-
-    /// `store.tls_*` for a PostgreSQL URL, read and parsed: the CA is optional (the system's
-    /// roots otherwise), a client certificate needs its key.
-    pub fn postgres_options(&self) -> Result<PostgresOptions, ConfigError> {
-        if !is_postgres_url(&self.store.url) {
-            return Ok(PostgresOptions::default());
+        let client = self.client_identity()?;
+        let ca_pem = self.ca_pem()?;
+        if !postgres && ca_pem.is_none() && client.is_some() {
+            return Err(invalid(
+                "store.tls_ca_file",
+                "is required with store.tls_cert_file and store.tls_key_file",
+            ));
         }
-        let client = self.client_identity()?.map(|identity| ClientCertificate {
-            cert_pem: identity.cert_pem,
-            key_pem: identity.key_pem,
-        });
-        Ok(PostgresOptions {
-            tls: PostgresTls {
-                ca_pem: self.ca_pem()?,
-                client,
-            },
-            ..PostgresOptions::default()
-        })
+        Ok(StoreTls { ca_pem, client })
     }
 
     /// `store.tls_cert_file` and `store.tls_key_file`, both or neither, read and parsed.
-    fn client_identity(&self) -> Result<Option<ClientIdentity>, ConfigError> {
+    fn client_identity(&self) -> Result<Option<ClientPem>, ConfigError> {
         let store = &self.store;
         match (&store.tls_cert_file, &store.tls_key_file) {
             (None, None) => Ok(None),
@@ -316,7 +287,7 @@ impl Config {
                 let key_pem = read_pem("store.tls_key_file", key)?;
                 PrivateKeyDer::from_pem_slice(&key_pem)
                     .map_err(|e| pem_error("store.tls_key_file", key, e))?;
-                Ok(Some(ClientIdentity { cert_pem, key_pem }))
+                Ok(Some(ClientPem { cert_pem, key_pem }))
             }
             (Some(_), None) => Err(invalid(
                 "store.tls_key_file",

@@ -23,9 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::alerts::{AlertBudget, Alerts, is_alert};
+use crate::app::{DispatchSettings, ForwardSettings, Settings, Sources};
 use crate::clock::millis;
 use crate::clock::{Clock, format_delay, format_iso};
-use crate::config::{DispatchSettings, ForwardSettings, Settings, Sources};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
 use crate::store::lifecycle::policy::{self, AttemptResult, DeathReason, FailureClass, Verdict};

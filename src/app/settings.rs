@@ -2,8 +2,9 @@
 //! built. Durations are `Duration`s, secrets are decoded, and each source's verifier, forward
 //! target and SSRF policy exist once, shared by the handlers and the dispatcher.
 //!
-//! [`Config`] stays the file's shape (its key names are the operator's interface); this is the
-//! shape the code wants. A unit conversion happens here or at a seam that counts in another
+//! [`Config`] stays the file's shape (its key names are the operator's interface) and plain
+//! data; this is the shape the code wants, with the runtime objects built from it here, so the
+//! config imports none of the modules that define them. A unit conversion happens here or at a seam that counts in another
 //! unit (the store's seconds and milliseconds), never at each use.
 
 use std::collections::{BTreeMap, HashMap};
@@ -11,14 +12,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{AlertsConfig, AuthConfig, Config, ConfigError, StoreLocation, invalid};
 use crate::clock::{Millis, deadline, millis};
+use crate::config::{
+    AlertsConfig, AuthConfig, Config, ConfigError, SourceConfig, StoreLocation, StoreTls, invalid,
+};
 use crate::inbound::dedupe::DEFAULT_FIELDS;
 use crate::ssrf::SsrfGuard;
 use crate::store::Partitions;
 use crate::store::lifecycle::policy::Backoff;
-use crate::store::postgres::PostgresOptions;
-use crate::store::redis::RedisOptions;
+use crate::store::postgres::{ClientCertificate, PostgresOptions, PostgresTls};
+use crate::store::redis::{ClientIdentity, RedisOptions, RedisTls};
 use crate::webhook::{Verifier, decode_whsec};
 
 /// Every component's settings.
@@ -194,15 +197,17 @@ impl Settings {
             max_connections: server.max_connections,
             max_streams_per_connection: server.max_streams_per_connection,
         };
+        let location = config.store_location()?;
+        let (redis, postgres) = engine_options(&location, &store.key_prefix, config.store_tls()?);
         let store = StoreSettings {
-            location: config.store_location()?,
+            location,
             dedupe_ttl: Duration::from_secs(store.dedupe_ttl_secs),
             payment_retention: Duration::from_secs(store.payment_retention_secs),
             sweep_interval: Duration::from_secs(store.sweep_interval_secs),
             timeout: Duration::from_millis(store.timeout_ms),
             require_durable: store.require_durable,
-            redis: config.redis_options()?,
-            postgres: config.postgres_options()?,
+            redis,
+            postgres,
             min_replicas_acked: store.min_replicas_acked,
             partitions: config.partitions()?,
             healthz_fails_after: (store.healthz_fails_after_secs > 0)
@@ -244,8 +249,43 @@ impl Settings {
     }
 }
 
+/// The engines' options: the key prefix is Redis', the certificates go to the engine `location`
+/// names.
+fn engine_options(
+    location: &StoreLocation,
+    key_prefix: &str,
+    tls: StoreTls,
+) -> (RedisOptions, PostgresOptions) {
+    // The partition count is the store's setting, not only one engine's: `StoreSettings` has it.
+    let mut redis = RedisOptions {
+        key_prefix: key_prefix.to_string(),
+        tls: None,
+        partitions: None,
+    };
+    let StoreTls { ca_pem, client } = tls;
+    if let StoreLocation::Postgres(_) = location {
+        let client = client.map(|c| ClientCertificate {
+            cert_pem: c.cert_pem,
+            key_pem: c.key_pem,
+        });
+        let postgres = PostgresOptions {
+            tls: PostgresTls { ca_pem, client },
+            ..PostgresOptions::default()
+        };
+        return (redis, postgres);
+    }
+    redis.tls = ca_pem.map(|ca_pem| RedisTls {
+        ca_pem,
+        client: client.map(|c| ClientIdentity {
+            cert_pem: c.cert_pem,
+            key_pem: c.key_pem,
+        }),
+    });
+    (redis, PostgresOptions::default())
+}
+
 impl SourceSettings {
-    fn new(name: &str, config: &super::SourceConfig) -> Result<SourceSettings, ConfigError> {
+    fn new(name: &str, config: &SourceConfig) -> Result<SourceSettings, ConfigError> {
         let verifier =
             Verifier::from_config(config).map_err(|m| invalid(format!("sources.{name}"), m))?;
         let signing_secret = config
@@ -270,5 +310,125 @@ impl SourceSettings {
                 },
             },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_toml_str(
+            text,
+            Path::new("test.toml"),
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    #[test]
+    fn partitions_are_the_stores_unless_set() {
+        let unset = load("", &[]).unwrap();
+        assert_eq!(unset.store.partitions, None);
+        assert_eq!(
+            Settings::from_config(&unset).unwrap().store.partitions,
+            None
+        );
+        let set = load("[store]\npartitions = 128\n", &[]).unwrap();
+        assert_eq!(
+            Settings::from_config(&set).unwrap().store.partitions,
+            Partitions::new(128)
+        );
+        let env = load("", &[("CALLBACKD__STORE__PARTITIONS", "256")]).unwrap();
+        assert_eq!(env.store.partitions, Some(256));
+        let err = load("[store]\npartitions = 300\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be 1 to 256 (got 300)"), "{err}");
+    }
+
+    #[test]
+    fn the_key_prefix_reaches_the_redis_options() {
+        let redis = |text: &str| {
+            Settings::from_config(&load(text, &[]).unwrap())
+                .unwrap()
+                .store
+                .redis
+        };
+        assert_eq!(redis("").key_prefix, "cb");
+        assert_eq!(
+            redis("[store]\nkey_prefix = \"tenant-b.eu_1\"\n").key_prefix,
+            "tenant-b.eu_1"
+        );
+    }
+
+    #[test]
+    fn min_replicas_acked_reaches_the_store_settings() {
+        let text = "[store]\nurl = \"redis://127.0.0.1:6379/0\"\nmin_replicas_acked = 16\n";
+        let c = load(text, &[]).unwrap();
+        assert_eq!(
+            Settings::from_config(&c).unwrap().store.min_replicas_acked,
+            16
+        );
+        let c = load(
+            "[store]\nurl = \"redis://127.0.0.1:6379/0\"\n",
+            &[("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "2")],
+        )
+        .unwrap();
+        assert_eq!(c.store.min_replicas_acked, 2);
+    }
+
+    #[test]
+    fn settings_are_typed_and_derived_once() {
+        let c = load(
+            "[server]\nshutdown_grace_secs = 7\nrequest_timeout_secs = 9\n\
+         [store]\ntimeout_ms = 250\ndedupe_ttl_secs = 60\npayment_retention_secs = 120\n\
+         [dispatch]\nmax_age_secs = 3\ninitial_backoff_ms = 200\nmax_backoff_secs = 2\n\
+         request_timeout_ms = 1500\nlease_secs = 7\nallow_private_networks = true\n\
+         [sources.p]\nsignature = \"none\"\nforward_url = \"http://10.1.2.3/hook\"\n\
+         allow_private_forward_url = true\nforward_headers = { Authorization = \"Bearer x\" }\n\
+         forward_secret = \"whsec_MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=\"\n\
+         [sources.q]\nsignature = \"none\"\ndedupe_fields = [\"/id\"]\n",
+            &[],
+        )
+        .unwrap();
+        let s = Settings::from_config(&c).unwrap();
+        assert_eq!(s.server.shutdown_grace, Duration::from_secs(7));
+        assert_eq!(s.server.request_timeout, Duration::from_secs(9));
+        assert_eq!(s.server.header_timeout, Duration::from_secs(10));
+        assert_eq!(s.store.timeout, Duration::from_millis(250));
+        assert_eq!(s.store.dedupe_ttl, Duration::from_secs(60));
+        assert_eq!(s.store.payment_retention, Duration::from_secs(120));
+        assert_eq!(s.store.sweep_interval, Duration::from_secs(30));
+        assert!(matches!(s.store.location, StoreLocation::Sqlite(_)));
+        let d = &s.dispatch;
+        assert_eq!(d.max_age, Duration::from_secs(3));
+        assert_eq!((d.backoff.initial_ms, d.backoff.max_ms), (200, 2_000));
+        assert_eq!(d.request_timeout, Duration::from_millis(1500));
+        assert_eq!(millis(d.lease), 7_000);
+        assert_eq!(d.deadline(1_000), 4_000);
+        assert!(d.callback_ssrf.allow_private);
+        let p = &s.sources["p"];
+        assert_eq!(p.forward_url.as_deref(), Some("http://10.1.2.3/hook"));
+        assert!(p.forward.ssrf.allow_private);
+        assert_eq!(p.forward.headers["Authorization"], "Bearer x");
+        assert_eq!(
+            p.forward.signing_secret.as_deref(),
+            Some(b"0123456789abcdef0123456789abcdef".as_slice())
+        );
+        assert_eq!(p.dedupe_fields.len(), DEFAULT_FIELDS.len());
+        let q = &s.sources["q"];
+        assert_eq!(q.dedupe_fields, ["/id"]);
+        assert!(!q.forward.ssrf.allow_private && q.forward.signing_secret.is_none());
+        assert!(s.alerts.is_none());
+        let debug = format!("{p:?}");
+        assert!(!debug.contains("Bearer x"), "{debug}");
+    }
+
+    #[test]
+    fn deadlines_saturate() {
+        assert_eq!(deadline(5, Duration::from_secs(u64::MAX)), Millis::MAX);
+        assert_eq!(millis(Duration::from_secs(u64::MAX)), u64::MAX);
     }
 }
