@@ -571,7 +571,7 @@ impl Run<'_> {
             id: id.clone(),
             kind: MessageKind::Notification,
             source: None,
-            payment_id: Some(payment_id.clone()),
+            payment_id: Some(payment_id.clone().into()),
             transaction_id: None,
             ordering_key: ordering_key.clone(),
             event: None,
@@ -592,7 +592,7 @@ impl Run<'_> {
             },
             message,
             payment: transition.map(|to| PaymentTransition {
-                payment_id: payment_id.clone(),
+                payment_id: payment_id.clone().into(),
                 to,
                 allowed_from: payment::allowed_from(to),
             }),

@@ -600,8 +600,8 @@ fn inbound(source: &str, transaction_id: &str, now: Millis) -> NewMessage {
     let ordering_key = format!("src/{source}/{transaction_id}");
     NewMessage {
         kind: MessageKind::Inbound,
-        source: Some(source.to_string()),
-        transaction_id: Some(transaction_id.to_string()),
+        source: Some(source.into()),
+        transaction_id: Some(transaction_id.into()),
         event: Some("TRANSACTION_PAID".into()),
         ..new_message(&ordering_key, now)
     }
@@ -653,12 +653,12 @@ fn status(name: &str) -> PaymentStatus {
 
 fn notification(payment_id: &str, to: &str, allowed_from: &[&str], now: Millis) -> AcceptRequest {
     let message = NewMessage {
-        payment_id: Some(payment_id.to_string()),
+        payment_id: Some(payment_id.into()),
         ..new_message(&payment::ordering_key(payment_id), now)
     };
     AcceptRequest {
         payment: Some(PaymentTransition {
-            payment_id: payment_id.to_string(),
+            payment_id: payment_id.into(),
             to: status(to),
             allowed_from: allowed_from.iter().map(|s| status(s)).collect(),
         }),

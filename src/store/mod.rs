@@ -39,7 +39,7 @@ pub use history::{
     ANSWER_BODY_ROWS, DeliveryAttempt, HISTORY_TAIL, HistoryEntry, KEPT_BODY_BYTES,
     KEPT_HEADER_CHARS, ReceiverAnswer, ResendMark,
 };
-pub use ids::MessageId;
+pub use ids::{MessageId, PaymentId, SourceName, TransactionId};
 pub use message::{
     ListFilter, MessageKind, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
     matches_filter,
