@@ -17,8 +17,8 @@ use callbackd::store::partitions::Partitions;
 use callbackd::store::postgres::{LAYOUT_VERSION, PostgresOptions, PostgresStore};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry,
-    ListFilter, MessageId, MessageKind, MessageState, NewMessage, OperationReservation, QueueDepth,
-    ResendEffect, ResendMark, Store, StoreError,
+    ListFilter, MessageId, MessageKind, MessageState, NewMessage, OperationReservation,
+    PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use postgres_support::{PostgresServer, free_port};
 
