@@ -24,7 +24,8 @@ use crate::digest::short_hash;
 use crate::payment::{self, PaymentStatus};
 use crate::ssrf::{SsrfError, SsrfGuard};
 use crate::store::{
-    AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions, PaymentTransition,
+    AcceptRequest, DedupeClaim, MessageId, MessageKind, NewMessage, Partitions, PaymentId,
+    PaymentTransition,
 };
 use crate::webhook::{ATTEMPT_HEADER, MESSAGE_ID_HEADER};
 
@@ -159,7 +160,7 @@ impl HandOff {
             ));
         }
         Ok(Notification {
-            payment_id: self.payment_id,
+            payment_id: PaymentId::from(self.payment_id),
             to,
             callback_url: self.callback_url,
             payload: self.payload,
@@ -197,7 +198,7 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), HandOffError>
 /// [`Settings::max_window`].
 #[derive(Debug, Clone)]
 pub struct Notification {
-    payment_id: String,
+    payment_id: PaymentId,
     to: PaymentStatus,
     /// Delivered to byte for byte (the gateway signs it).
     callback_url: String,
@@ -246,7 +247,7 @@ fn accept_request(
     let deliver_until = deadline(now, window.unwrap_or(settings.max_window));
     let response = serde_json::to_string(&NotificationAccepted {
         notification_id: id.to_string(),
-        payment_id: payment_id.clone(),
+        payment_id: payment_id.to_string(),
         status: to.to_string(),
         accepted_at: format_iso(now),
         deliver_until: format_iso(deliver_until),
@@ -310,7 +311,7 @@ mod tests {
     fn notification(request: &str) -> Notification {
         let request: Value = serde_json::from_str(request).unwrap();
         Notification {
-            payment_id: request["paymentId"].as_str().unwrap().to_string(),
+            payment_id: request["paymentId"].as_str().unwrap().into(),
             to: PaymentStatus::parse(request["status"].as_str().unwrap()).unwrap(),
             callback_url: request["callbackUrl"].as_str().unwrap().to_string(),
             payload: request["payload"].as_object().cloned(),
@@ -419,7 +420,7 @@ mod tests {
     fn hand_off(request: &str) -> HandOff {
         let request: Value = serde_json::from_str(request).unwrap();
         HandOff {
-            payment_id: request["paymentId"].as_str().unwrap().to_string(),
+            payment_id: request["paymentId"].as_str().unwrap().into(),
             status: request["status"].as_str().unwrap().to_string(),
             callback_url: request["callbackUrl"].as_str().unwrap().to_string(),
             payload: None,

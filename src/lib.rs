@@ -60,7 +60,7 @@ use durability::Verdict;
 use store::postgres::{PostgresOptions, PostgresStore};
 use store::redis::{RedisOptions, RedisStore};
 use store::sqlite::{SqliteOptions, SqliteStore};
-use store::{Store, StoreError};
+use store::{Inspectable, Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -81,6 +81,15 @@ pub enum StartError {
 
 /// Opens the configured store and checks it is fit to acknowledge callbacks.
 pub async fn open_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, StartError> {
+    Ok(open_inspectable_store(settings).await?)
+}
+
+/// [`open_store`], as a handle that can also read payment statuses
+/// ([`store::PaymentStatusRead`]): what tests keep of the store a server runs on, since a
+/// SQLite store admits a single handle and they cannot open a second.
+pub async fn open_inspectable_store(
+    settings: &StoreSettings,
+) -> Result<Arc<dyn Inspectable>, StartError> {
     // The engines count retention in whole seconds, as the config does.
     let retention = settings.dedupe_ttl.as_secs();
     let payment_retention = settings.payment_retention.as_secs();

@@ -1036,7 +1036,7 @@ async fn a_resend_stops_at_ten_thousand_and_says_more() {
                 id: id.clone(),
                 kind: MessageKind::Notification,
                 source: None,
-                payment_id: Some(payment.clone()),
+                payment_id: Some(payment.clone().into()),
                 transaction_id: None,
                 ordering_key,
                 event: None,

@@ -174,7 +174,6 @@ async fn state_machine_over_http() {
     assert_eq!(err["from"], "refunded");
     assert_eq!(
         server
-            .app
             .store
             .payment_status("p1", server.app.clock.now_ms())
             .await
@@ -297,7 +296,6 @@ async fn ssrf_targets_are_refused_at_handoff() {
     }
     assert_eq!(
         server
-            .app
             .store
             .payment_status("p-ssrf", server.app.clock.now_ms())
             .await

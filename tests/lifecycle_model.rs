@@ -42,8 +42,8 @@ use callbackd::store::postgres::PostgresStore;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::SqliteStore;
 use callbackd::store::{
-    AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind,
-    MessageState, NewMessage, PaymentTransition, ResendMark, SignatureSeal, Store,
+    AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, Inspectable, Lease, MessageId,
+    MessageKind, MessageState, NewMessage, PaymentTransition, ResendMark, SignatureSeal,
 };
 use postgres_support::PostgresServer;
 use proptest::prelude::*;
@@ -327,7 +327,7 @@ fn same<T: PartialEq + std::fmt::Debug>(what: &str, got: T, want: T) -> Result<(
 
 /// One sequence on one engine, next to the model.
 struct Run<'a> {
-    store: &'a dyn Store,
+    store: &'a dyn Inspectable,
     model: Model,
     now: Millis,
     payments: Vec<String>,
@@ -571,7 +571,7 @@ impl Run<'_> {
             id: id.clone(),
             kind: MessageKind::Notification,
             source: None,
-            payment_id: Some(payment_id.clone()),
+            payment_id: Some(payment_id.clone().into()),
             transaction_id: None,
             ordering_key: ordering_key.clone(),
             event: None,
@@ -592,7 +592,7 @@ impl Run<'_> {
             },
             message,
             payment: transition.map(|to| PaymentTransition {
-                payment_id: payment_id.clone(),
+                payment_id: payment_id.clone().into(),
                 to,
                 allowed_from: payment::allowed_from(to),
             }),
@@ -650,7 +650,11 @@ impl Run<'_> {
     }
 }
 
-async fn check(store: &dyn Store, scenario: &Scenario, store_clock: bool) -> Result<(), String> {
+async fn check(
+    store: &dyn Inspectable,
+    scenario: &Scenario,
+    store_clock: bool,
+) -> Result<(), String> {
     // On the store's clock, a claim split in two calls could find the first call's short
     // leases run out: one partition, one call.
     let spread = scenario.spread && !store_clock;
@@ -814,7 +818,7 @@ impl Engine {
 }
 
 /// A fresh store for one sequence, and the directory that keeps a SQLite file alive.
-async fn open(engine: &Engine) -> (Box<dyn Store>, Option<tempfile::TempDir>) {
+async fn open(engine: &Engine) -> (Box<dyn Inspectable>, Option<tempfile::TempDir>) {
     match engine {
         Engine::Redis(server) => {
             server.cli(&["FLUSHALL"]);

@@ -290,7 +290,6 @@ async fn ninety_days(store_url: &str, footprint: Footprint) {
     footprint.assert_only_a_payment_state_is_left();
     assert_eq!(
         w.server
-            .app
             .store
             .payment_status("pay-90", w.clock.now_ms())
             .await
@@ -306,7 +305,6 @@ async fn ninety_days(store_url: &str, footprint: Footprint) {
     w.sweep().await;
     assert_eq!(
         w.server
-            .app
             .store
             .payment_status("pay-90", w.clock.now_ms())
             .await

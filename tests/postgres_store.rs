@@ -17,8 +17,8 @@ use callbackd::store::partitions::Partitions;
 use callbackd::store::postgres::{LAYOUT_VERSION, PostgresOptions, PostgresStore};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry,
-    ListFilter, MessageId, MessageKind, MessageState, NewMessage, OperationReservation, QueueDepth,
-    ResendEffect, ResendMark, Store, StoreError,
+    ListFilter, MessageId, MessageKind, MessageState, NewMessage, OperationReservation,
+    PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use postgres_support::{PostgresServer, free_port};
 
@@ -49,7 +49,7 @@ fn message(ordering_key: &str, source: Option<&str>, created_at: Millis) -> NewM
     NewMessage {
         id: MessageId::generate(created_at, ordering_key, Partitions::DEFAULT),
         kind: MessageKind::Inbound,
-        source: source.map(str::to_string),
+        source: source.map(Into::into),
         payment_id: None,
         transaction_id: Some("tx-1".into()),
         ordering_key: ordering_key.to_string(),
@@ -94,7 +94,7 @@ async fn insert_message(
                 &message.id.as_str(),
                 &end_day,
                 &json,
-                &message.source,
+                &message.source.as_deref(),
                 &message.ordering_key,
                 &state.as_str(),
                 &message.deadline,

@@ -304,7 +304,13 @@ async fn a_stalled_disk_answers_503_and_no_retry_is_lost_or_doubled() {
     let mut recorded: Vec<String> = all
         .messages
         .iter()
-        .map(|r| r.message.transaction_id.clone().unwrap_or_default())
+        .map(|r| {
+            r.message
+                .transaction_id
+                .as_deref()
+                .unwrap_or_default()
+                .to_string()
+        })
         .collect();
     recorded.sort();
     assert_eq!(recorded, ["tx-queued", "tx-run"], "each recorded once");

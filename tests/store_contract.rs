@@ -27,10 +27,10 @@ use callbackd::store::postgres::PostgresStore;
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
-    AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry, Lease,
-    ListFilter, MessageId, MessageKind, MessageRecord, MessageState, NewMessage,
-    OperationReservation, PaymentTransition, QueueDepth, ReceiverAnswer, ResendEffect, ResendMark,
-    SignatureSeal, Store, StoreError,
+    AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry,
+    Inspectable, Lease, ListFilter, MessageId, MessageKind, MessageRecord, MessageState,
+    NewMessage, OperationReservation, PaymentTransition, QueueDepth, ReceiverAnswer, ResendEffect,
+    ResendMark, SignatureSeal, Store, StoreError,
 };
 use postgres_support::PostgresServer;
 use redis_support::RedisServer;
@@ -69,7 +69,7 @@ enum Backend {
 /// A store and what keeps it alive. `store` is declared first so it is dropped before the
 /// server or directory behind it.
 struct Harness {
-    store: std::sync::Arc<dyn Store>,
+    store: std::sync::Arc<dyn Inspectable>,
     backend: Backend,
 }
 
@@ -252,7 +252,7 @@ impl Harness {
         panic!("sweep never finished");
     }
 
-    fn s(&self) -> &dyn Store {
+    fn s(&self) -> &dyn Inspectable {
         &*self.store
     }
 }
@@ -600,8 +600,8 @@ fn inbound(source: &str, transaction_id: &str, now: Millis) -> NewMessage {
     let ordering_key = format!("src/{source}/{transaction_id}");
     NewMessage {
         kind: MessageKind::Inbound,
-        source: Some(source.to_string()),
-        transaction_id: Some(transaction_id.to_string()),
+        source: Some(source.into()),
+        transaction_id: Some(transaction_id.into()),
         event: Some("TRANSACTION_PAID".into()),
         ..new_message(&ordering_key, now)
     }
@@ -653,12 +653,12 @@ fn status(name: &str) -> PaymentStatus {
 
 fn notification(payment_id: &str, to: &str, allowed_from: &[&str], now: Millis) -> AcceptRequest {
     let message = NewMessage {
-        payment_id: Some(payment_id.to_string()),
+        payment_id: Some(payment_id.into()),
         ..new_message(&payment::ordering_key(payment_id), now)
     };
     AcceptRequest {
         payment: Some(PaymentTransition {
-            payment_id: payment_id.to_string(),
+            payment_id: payment_id.into(),
             to: status(to),
             allowed_from: allowed_from.iter().map(|s| status(s)).collect(),
         }),
@@ -1129,7 +1129,7 @@ fn payment_sequence(payment_id: &str) -> (Vec<AcceptRequest>, Vec<AcceptOutcome>
 
 /// After [`payment_sequence`]: the payment is settled, and of its messages only the two
 /// accepted ones exist.
-async fn check_payment_sequence(s: &dyn Store, payment_id: &str, requests: &[AcceptRequest]) {
+async fn check_payment_sequence(s: &dyn Inspectable, payment_id: &str, requests: &[AcceptRequest]) {
     assert_eq!(
         s.payment_status(payment_id, T0 + 5)
             .await
@@ -2785,7 +2785,7 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
 /// upgraded from one: every record, history, claim, payment state, seal and operation is
 /// still there, and every message goes on from where it was. Redis layout 3's fixture
 /// (make_redis_v3.rs) tells the same story under `v3` names instead of `v2`.
-async fn the_release_fixture_goes_on(s: &dyn Store, v: &str) {
+async fn the_release_fixture_goes_on(s: &dyn Inspectable, v: &str) {
     const HOUR_MS: Millis = 3_600_000;
     // New requests name a partition of this store (an old store keeps its 16).
     let in_store = |mut req: AcceptRequest| {

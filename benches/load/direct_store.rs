@@ -41,7 +41,7 @@ fn inbound_accept(tx: &str, now: i64, target_url: &str, partitions: Partitions) 
             kind: MessageKind::Inbound,
             source: Some("payzu".into()),
             payment_id: None,
-            transaction_id: Some(key.transaction_id),
+            transaction_id: Some(key.transaction_id.into()),
             ordering_key,
             event: None,
             target_url: Some(target_url.to_string()),

@@ -325,7 +325,7 @@ impl Dispatcher {
             None => c
                 .message
                 .source
-                .as_ref()
+                .as_deref()
                 .and_then(|s| self.sources.get(s))
                 .map(|s| s.forward.clone())
                 .unwrap_or_default(),

@@ -96,9 +96,9 @@ pub fn accept_request(
     let message = NewMessage {
         id,
         kind: MessageKind::Inbound,
-        source: Some(source.name.to_string()),
+        source: Some(source.name.into()),
         payment_id: None,
-        transaction_id: Some(key.transaction_id),
+        transaction_id: Some(key.transaction_id.into()),
         ordering_key,
         event: callback.event,
         target_url: source.forward_url.map(str::to_string),

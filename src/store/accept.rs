@@ -1,7 +1,7 @@
 //! What an accept carries to the store and what it answers: the dedupe claim, the payment
 //! transition, the signature seal and the message, claimed and recorded in one step.
 
-use super::NewMessage;
+use super::{NewMessage, PaymentId};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
 
@@ -23,7 +23,7 @@ pub struct DedupeClaim {
 /// The payment status compare-and-set that goes with a notification.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PaymentTransition {
-    pub payment_id: String,
+    pub payment_id: PaymentId,
     pub to: PaymentStatus,
     /// Statuses the payment may be in for the transition to apply; a payment never seen is
     /// [`PaymentStatus::Undefined`].

@@ -15,6 +15,10 @@
 //! (redis/keys.rs), and a replay's answer is rebuilt from it. Two callbacks share an id only if they share the claim
 //! key, the partition and the millisecond, and a claim key is accepted once while its claim
 //! lasts (at least a second); distinct claim keys collide as rarely as random digits would.
+//!
+//! The other ids a message carries, [`PaymentId`], [`SourceName`] and [`TransactionId`], are
+//! opaque strings the store keeps as given: typed so one cannot be passed for another, and
+//! serialized as the bare string, so stored messages and API bodies keep their bytes.
 
 use crate::clock::Millis;
 use std::fmt;
@@ -101,6 +105,89 @@ impl fmt::Display for MessageId {
         f.write_str(&self.0)
     }
 }
+
+/// An opaque id string: serialized as the bare string, read as one (`Deref` to `str`), and
+/// built from any string with `.into()`.
+macro_rules! opaque_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(String);
+
+        impl $name {
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl From<String> for $name {
+            fn from(s: String) -> $name {
+                $name(s)
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(s: &str) -> $name {
+                $name(s.to_string())
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(id: $name) -> String {
+                id.0
+            }
+        }
+
+        impl std::ops::Deref for $name {
+            type Target = str;
+
+            fn deref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl PartialEq<str> for $name {
+            fn eq(&self, other: &str) -> bool {
+                self.0 == other
+            }
+        }
+
+        impl PartialEq<&str> for $name {
+            fn eq(&self, other: &&str) -> bool {
+                self.0 == *other
+            }
+        }
+    };
+}
+
+opaque_id!(
+    /// A payment's id, as the connector sent it: it names the payment's status and the
+    /// ordering key of its notifications.
+    PaymentId
+);
+opaque_id!(
+    /// A configured source's name (a provider): scopes its callbacks' dedupe keys and
+    /// ordering keys.
+    SourceName
+);
+opaque_id!(
+    /// A provider's transaction id, read from a callback's body: callbacks of one transaction
+    /// are delivered in order.
+    TransactionId
+);
 
 /// The digits of [`MessageId::of_claim`] after the time: the partition, then the first 14
 /// hex digits of the SHA-256 of the claim key.

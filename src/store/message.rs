@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{HistoryEntry, MessageId};
+use super::{HistoryEntry, MessageId, PaymentId, SourceName, TransactionId};
 use crate::clock::Millis;
 
 /// Inbound callback from a provider, or outbound notification from a connector.
@@ -63,13 +63,13 @@ pub struct NewMessage {
     pub kind: MessageKind,
     /// Source name for inbound callbacks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source: Option<String>,
+    pub source: Option<SourceName>,
     /// Payment id for notifications.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub payment_id: Option<String>,
+    pub payment_id: Option<PaymentId>,
     /// Provider transaction id for inbound callbacks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub transaction_id: Option<String>,
+    pub transaction_id: Option<TransactionId>,
     /// Messages with equal ordering keys are delivered in acceptance order. Already scoped
     /// (source + transaction id inbound, paymentId outbound), so it is unique across kinds.
     pub ordering_key: String,
@@ -142,7 +142,7 @@ pub fn matches_filter(record: &MessageRecord, filter: &ListFilter) -> bool {
         && filter
             .source
             .as_ref()
-            .is_none_or(|s| m.source.as_ref() == Some(s))
+            .is_none_or(|s| m.source.as_deref() == Some(s.as_str()))
         && filter
             .ordering_keys
             .as_ref()

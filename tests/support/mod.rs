@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use callbackd::app::App;
 use callbackd::clock::{Clock, ManualClock, SystemClock};
-use callbackd::config::Config;
+use callbackd::config::{Config, Settings};
+use callbackd::store::Inspectable;
 use callbackd::webhook::sign_payzu;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -59,6 +60,9 @@ allow_private_forward_url = true
 pub struct TestServer {
     pub url: String,
     pub app: Arc<App>,
+    /// The store `app` runs on, as a handle that also reads what only tests read (a
+    /// payment's status).
+    pub store: Arc<dyn Inspectable>,
     pub shutdown: CancellationToken,
     task: Option<JoinHandle<()>>,
     pub client: reqwest::Client,
@@ -70,9 +74,12 @@ impl TestServer {
     }
 
     pub async fn start_with_clock(config: Config, clock: Arc<dyn Clock>) -> TestServer {
-        let app = callbackd::build(config, clock)
+        // What `callbackd::build` does, keeping the store's inspectable handle.
+        let settings = Settings::from_config(&config).expect("server builds");
+        let store = callbackd::open_inspectable_store(&settings.store)
             .await
             .expect("server builds");
+        let app = Arc::new(App::with_settings(settings, store.clone(), clock));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let shutdown = CancellationToken::new();
@@ -88,6 +95,7 @@ impl TestServer {
         TestServer {
             url,
             app,
+            store,
             shutdown,
             task: Some(task),
             client: reqwest::Client::builder()

@@ -308,7 +308,7 @@ impl Model {
                 if let (Some(p), Some((status, ends_at))) = (&req.payment, plan.payment) {
                     let value = status;
                     self.payments
-                        .insert(p.payment_id.clone(), Expiring { value, ends_at });
+                        .insert(p.payment_id.to_string(), Expiring { value, ends_at });
                 }
                 let value = (req.dedupe.fingerprint.clone(), req.dedupe.response.clone());
                 let ends_at = plan.claim_ends;

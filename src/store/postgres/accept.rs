@@ -76,7 +76,7 @@ pub(super) async fn accept(
             "INSERT INTO payments (payment_id, status, expires_at) VALUES ($1, $2, $3) \
              ON CONFLICT (payment_id) DO UPDATE SET status = excluded.status, \
              expires_at = excluded.expires_at",
-            &[&p.payment_id, &status.as_str(), ends_at],
+            &[&p.payment_id.as_str(), &status.as_str(), ends_at],
         )
         .await
         .db()?;
@@ -128,7 +128,7 @@ pub(super) async fn accept(
             &msg.id.as_str(),
             &day,
             &message_json,
-            &msg.source,
+            &msg.source.as_deref(),
             &msg.ordering_key,
             &start.state.as_str(),
             &start.deadline,

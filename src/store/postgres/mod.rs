@@ -59,7 +59,7 @@ use self::days::{Days, end_day};
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
     HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
-    Partitions, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use crate::durability::Verdict;
@@ -231,6 +231,22 @@ impl PostgresStore {
 /// Each call is one pooled connection within the store timeout (`connection.rs`); each write
 /// one transaction that applies what its `store::lifecycle` rule decides.
 #[async_trait]
+impl PaymentStatusRead for PostgresStore {
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
+        let payment_id = payment_id.to_string();
+        self.db
+            .call(move |client| {
+                async move { reads::payment_status(client, &payment_id, now).await }.boxed()
+            })
+            .await
+    }
+}
+
+#[async_trait]
 impl Store for PostgresStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
         self.prepare_day(now).await?;
@@ -355,19 +371,6 @@ impl Store for PostgresStore {
                     operations::finish(client, &key, &fingerprint, &response, ttl_secs).await
                 }
                 .boxed()
-            })
-            .await
-    }
-
-    async fn payment_status(
-        &self,
-        payment_id: &str,
-        now: Millis,
-    ) -> Result<Option<String>, StoreError> {
-        let payment_id = payment_id.to_string();
-        self.db
-            .call(move |client| {
-                async move { reads::payment_status(client, &payment_id, now).await }.boxed()
             })
             .await
     }

@@ -57,7 +57,7 @@ use serde::Serialize;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
     Lease, ListFilter, MessageId, MessageRecord, NewMessage, OperationReservation, Page,
-    Partitions, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
@@ -497,6 +497,17 @@ fn field<T: FromStr>(fields: &HashMap<String, String>, name: &str) -> Option<T> 
 }
 
 #[async_trait]
+impl PaymentStatusRead for RedisStore {
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
+        reads::payment_status(self, payment_id, now).await
+    }
+}
+
+#[async_trait]
 impl Store for RedisStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
         let message = &req.message;
@@ -579,14 +590,6 @@ impl Store for RedisStore {
         ttl_secs: u64,
     ) -> Result<(), StoreError> {
         commands::finish_operation(self, key, fingerprint, response, ttl_secs).await
-    }
-
-    async fn payment_status(
-        &self,
-        payment_id: &str,
-        now: Millis,
-    ) -> Result<Option<String>, StoreError> {
-        reads::payment_status(self, payment_id, now).await
     }
 
     async fn sweep(&self, now: Millis) -> Result<usize, StoreError> {

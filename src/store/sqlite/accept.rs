@@ -47,7 +47,7 @@ pub(super) fn accept(
         Some(p) => conn
             .prepare_cached("SELECT status FROM payments WHERE payment_id = ?1 AND expires_at > ?2")
             .db()?
-            .query_row(params![p.payment_id, now], |r| r.get(0))
+            .query_row(params![p.payment_id.as_str(), now], |r| r.get(0))
             .optional()
             .db()?,
         None => None,
@@ -81,7 +81,7 @@ pub(super) fn accept(
              expires_at = excluded.expires_at",
         )
         .db()?
-        .execute(params![p.payment_id, status.as_str(), ends_at])
+        .execute(params![p.payment_id.as_str(), status.as_str(), ends_at])
         .db()?;
     }
     let claim = &req.dedupe;
@@ -112,7 +112,7 @@ pub(super) fn accept(
     .execute(params![
         msg.id.as_str(),
         message_json,
-        msg.source,
+        msg.source.as_deref(),
         msg.ordering_key,
         start.state.as_str(),
         start.deadline,

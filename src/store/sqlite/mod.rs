@@ -51,7 +51,7 @@ use self::writer::Writer;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
     HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
-    Partitions, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use crate::store::lifecycle::Lifetimes;
@@ -313,6 +313,19 @@ fn wall_clock_ms() -> Millis {
 /// Each write goes to the writer with the caller's `now` (so its batch sweeps first), except
 /// the calls that have none; each read goes to the read connection.
 #[async_trait]
+impl PaymentStatusRead for SqliteStore {
+    async fn payment_status(
+        &self,
+        payment_id: &str,
+        now: Millis,
+    ) -> Result<Option<String>, StoreError> {
+        let payment_id = payment_id.to_string();
+        self.read(move |conn| reads::payment_status(conn, &payment_id, now))
+            .await
+    }
+}
+
+#[async_trait]
 impl Store for SqliteStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
         let lifetimes = self.lifetimes;
@@ -417,16 +430,6 @@ impl Store for SqliteStore {
             .commit(None, move |conn| {
                 commands::finish_operation(conn, &key, &fingerprint, &response, ttl_secs)
             })
-            .await
-    }
-
-    async fn payment_status(
-        &self,
-        payment_id: &str,
-        now: Millis,
-    ) -> Result<Option<String>, StoreError> {
-        let payment_id = payment_id.to_string();
-        self.read(move |conn| reads::payment_status(conn, &payment_id, now))
             .await
     }
 

@@ -159,7 +159,7 @@ fn a_seal_ends_with_its_claim_at_the_latest() {
 fn notification(payment_id: &str, to: &str, from: &[&str], now: Millis) -> AcceptRequest {
     AcceptRequest {
         payment: Some(PaymentTransition {
-            payment_id: payment_id.to_string(),
+            payment_id: payment_id.into(),
             to: PaymentStatus::parse(to).expect("a payment status"),
             allowed_from: from
                 .iter()
