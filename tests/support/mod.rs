@@ -10,8 +10,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use callbackd::app::App;
+use callbackd::app::Settings;
 use callbackd::clock::{Clock, ManualClock, SystemClock};
-use callbackd::config::{Config, Settings};
+use callbackd::config::Config;
 use callbackd::store::Inspectable;
 use callbackd::webhook::sign_payzu;
 use tokio::task::JoinHandle;
