@@ -62,47 +62,56 @@ struct Row {
     ordering_key: String,
 }
 
+/// The columns a [`Row`] is read from, in the order [`raw_row`] takes them.
+macro_rules! row_columns {
+    () => {
+        "state, lease_token, delivery_attempts, attempts_before_requeue, deadline, due_at, \
+         resume_at, deliver_again, expires_at, lease_until, ordering_key"
+    };
+}
+
+/// A [`Row`] from the columns of [`row_columns`] starting at `at`, with its state and token as
+/// stored (checked by [`checked_row`]).
+fn raw_row(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<(String, i64, Row)> {
+    let resume_at: Millis = r.get(at + 6)?;
+    let row = Row {
+        snapshot: Snapshot {
+            state: MessageState::Pending,
+            token: 0,
+            attempts: r.get(at + 2)?,
+            backoff_from: r.get(at + 3)?,
+            deadline: r.get(at + 4)?,
+            due_at: r.get(at + 5)?,
+            // 0 is none (schema.sql)
+            resume_at: (resume_at != 0).then_some(resume_at),
+            again: r.get(at + 7)?,
+            ends_at: r.get(at + 8)?,
+        },
+        lease_until: r.get(at + 9)?,
+        ordering_key: r.get(at + 10)?,
+    };
+    Ok((r.get(at)?, r.get(at + 1)?, row))
+}
+
+fn checked_row(id: &str, (state, token, mut row): (String, i64, Row)) -> Result<Row, StoreError> {
+    row.snapshot.state = MessageState::parse(&state)
+        .ok_or_else(|| corrupt(format!("message {id} has state `{state}`")))?;
+    // SQLite integers are signed; tokens start at 1 and only grow.
+    row.snapshot.token = u64::try_from(token).map_err(corrupt)?;
+    Ok(row)
+}
+
 fn read_row(conn: &Connection, id: &str) -> Result<Option<Row>, StoreError> {
-    conn.prepare_cached(
-        "SELECT state, lease_token, delivery_attempts, attempts_before_requeue, deadline, \
-         due_at, resume_at, deliver_again, expires_at, lease_until, ordering_key \
-         FROM messages WHERE id = ?1",
-    )
+    conn.prepare_cached(concat!(
+        "SELECT ",
+        row_columns!(),
+        " FROM messages WHERE id = ?1"
+    ))
     .db()?
-    .query_row(params![id], |r| {
-        let state: String = r.get(0)?;
-        // SQLite integers are signed; tokens start at 1 and only grow.
-        let token: i64 = r.get(1)?;
-        let resume_at: Millis = r.get(6)?;
-        Ok((
-            state,
-            token,
-            Row {
-                snapshot: Snapshot {
-                    state: MessageState::Pending,
-                    token: 0,
-                    attempts: r.get(2)?,
-                    backoff_from: r.get(3)?,
-                    deadline: r.get(4)?,
-                    due_at: r.get(5)?,
-                    // 0 is none (schema.sql)
-                    resume_at: (resume_at != 0).then_some(resume_at),
-                    again: r.get(7)?,
-                    ends_at: r.get(8)?,
-                },
-                lease_until: r.get(9)?,
-                ordering_key: r.get(10)?,
-            },
-        ))
-    })
+    .query_row(params![id], |r| raw_row(r, 0))
     .optional()
     .db()?
-    .map(|(state, token, mut row)| {
-        row.snapshot.state = MessageState::parse(&state)
-            .ok_or_else(|| corrupt(format!("message {id} has state `{state}`")))?;
-        row.snapshot.token = u64::try_from(token).map_err(corrupt)?;
-        Ok(row)
-    })
+    .map(|raw| checked_row(id, raw))
     .transpose()
 }
 
@@ -173,21 +182,23 @@ pub(super) fn claim(
             apply(conn, id, &row, effect)?;
         }
     }
-    let due: Vec<(String, String)> = conn
-        .prepare_cached(
-            "SELECT id, message_json FROM messages WHERE due_at <= ?1 \
-             ORDER BY due_at, id LIMIT ?2",
-        )
+    // Each due message with what its rule reads, in one query.
+    let due: Vec<(String, String, (String, i64, Row))> = conn
+        .prepare_cached(concat!(
+            "SELECT id, message_json, ",
+            row_columns!(),
+            " FROM messages WHERE due_at <= ?1 ORDER BY due_at, id LIMIT ?2"
+        ))
         .db()?
-        .query_map(params![now, limit], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_map(params![now, limit], |r| {
+            Ok((r.get(0)?, r.get(1)?, raw_row(r, 2)?))
+        })
         .db()?
         .collect::<rusqlite::Result<_>>()
         .db()?;
     let mut leases = Vec::with_capacity(due.len());
-    for (id, message_json) in due {
-        let Some(row) = read_row(conn, &id)? else {
-            continue;
-        };
+    for (id, message_json, raw) in due {
+        let row = checked_row(&id, raw)?;
         let effect = lifecycle::claim(&row.snapshot, lease_until);
         let leased = effect.changes.applied_to(&row.snapshot);
         apply(conn, &id, &row, effect)?;
