@@ -246,7 +246,7 @@ impl Alerts {
             dedupe: DedupeClaim {
                 key: dedupe_key,
                 ttl_secs: self.dedupe_ttl.as_secs(),
-                fingerprint: String::new(),
+                fingerprint: None,
                 response: String::new(),
             },
             message,

@@ -280,7 +280,7 @@ fn accept_request(
             ttl_secs: settings.dedupe_ttl.as_secs(),
             // serde_json's map is ordered, so equal JSON gives equal fingerprints whatever
             // the key order or whitespace of the original bytes.
-            fingerprint: short_hash(request.to_string().as_bytes()),
+            fingerprint: Some(short_hash(request.to_string().as_bytes())),
             response,
         },
         message,

@@ -31,6 +31,18 @@ pub fn display_url(url: &str) -> String {
     }
 }
 
+/// `url` with its user and password replaced, for messages and logs: a password in
+/// `store.url` must never reach either.
+pub fn url_credentials(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparsable URL>".to_string();
+    };
+    match rest.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}"),
+        None => url.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

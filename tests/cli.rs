@@ -186,3 +186,29 @@ fn check_config_refuses_an_internal_alert_url_unless_allowed() {
     ]);
     assert!(allowed.status.success(), "{allowed:?}");
 }
+
+/// `check-config` names a PostgreSQL URL the driver cannot read by its key, and shows it with
+/// the password hidden, both the user info's and a `password` parameter's.
+#[test]
+fn check_config_names_a_bad_postgres_url_without_its_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pg.toml");
+    std::fs::write(
+        &path,
+        "[store]\nurl = \"postgres://cb:pg-s3cret@db.example:5432/cb\
+         ?sslmode=sometimes&password=pg-again\"\n",
+    )
+    .unwrap();
+    let refused = callbackd(&["check-config", "--config", path.to_str().unwrap()]);
+    assert!(!refused.status.success(), "{refused:?}");
+    let output = format!(
+        "{}{}",
+        String::from_utf8_lossy(&refused.stdout),
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    assert!(output.contains("store.url"), "{output}");
+    assert!(output.contains("cb:***@db.example"), "{output}");
+    for secret in ["pg-s3cret", "pg-again"] {
+        assert!(!output.contains(secret), "{secret} shown: {output}");
+    }
+}

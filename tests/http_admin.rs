@@ -1050,7 +1050,7 @@ async fn a_resend_stops_at_ten_thousand_and_says_more() {
                 dedupe: DedupeClaim {
                     key: format!("cap-{i}"),
                     ttl_secs: 3600,
-                    fingerprint: String::new(),
+                    fingerprint: None,
                     response: String::new(),
                 },
                 message,

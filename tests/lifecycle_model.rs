@@ -587,7 +587,7 @@ impl Run<'_> {
             dedupe: DedupeClaim {
                 key: format!("{ordering_key}/d{dedupe}"),
                 ttl_secs: RETENTION_SECS,
-                fingerprint: if other_body { "fp-b" } else { "fp-a" }.into(),
+                fingerprint: Some(if other_body { "fp-b" } else { "fp-a" }.into()),
                 response: format!(r#"{{"messageId":"{id}"}}"#),
             },
             message,

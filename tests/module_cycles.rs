@@ -148,10 +148,12 @@ fn expand(rest: &str) -> Vec<Vec<String>> {
     vec![segments(head)]
 }
 
-/// Circles among the files of the crate in `dir`, each as its files and edges.
-fn circles(dir: &Path, root: &str) -> Vec<String> {
-    let krate = Crate::read(dir, root);
-    let mut edges: BTreeMap<Vec<String>, BTreeMap<Vec<String>, BTreeSet<String>>> = BTreeMap::new();
+/// Which file imports which, each edge with the names it takes.
+type Edges = BTreeMap<Vec<String>, BTreeMap<Vec<String>, BTreeSet<String>>>;
+
+/// The import graph of a crate's files.
+fn import_graph(krate: &Crate) -> Edges {
+    let mut edges: Edges = BTreeMap::new();
     for (module, path) in &krate.files {
         let text = std::fs::read_to_string(path).expect("read a source file");
         for named in paths(&code(&text), module) {
@@ -175,6 +177,13 @@ fn circles(dir: &Path, root: &str) -> Vec<String> {
                 .insert(name);
         }
     }
+    edges
+}
+
+/// Circles among the files of the crate in `dir`, each as its files and edges.
+fn circles(dir: &Path, root: &str) -> Vec<String> {
+    let krate = Crate::read(dir, root);
+    let edges = import_graph(&krate);
     strongly_connected(&krate, &edges)
         .into_iter()
         .filter(|component| component.len() > 1)
@@ -198,12 +207,9 @@ fn circles(dir: &Path, root: &str) -> Vec<String> {
 }
 
 /// Tarjan's algorithm over the module graph.
-fn strongly_connected(
-    krate: &Crate,
-    edges: &BTreeMap<Vec<String>, BTreeMap<Vec<String>, BTreeSet<String>>>,
-) -> Vec<BTreeSet<Vec<String>>> {
+fn strongly_connected(krate: &Crate, edges: &Edges) -> Vec<BTreeSet<Vec<String>>> {
     struct Walk<'a> {
-        edges: &'a BTreeMap<Vec<String>, BTreeMap<Vec<String>, BTreeSet<String>>>,
+        edges: &'a Edges,
         index: BTreeMap<Vec<String>, usize>,
         low: BTreeMap<Vec<String>, usize>,
         stack: Vec<Vec<String>>,
@@ -270,6 +276,63 @@ fn no_two_files_import_each_other() {
         }
     }
     assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+/// What files under `folder` import from outside it that is not a leaf (a file importing
+/// nothing of the crate), as `importer -> imported (what it imports)`.
+fn non_leaf_imports(krate: &Crate, edges: &Edges, folder: &str) -> Vec<String> {
+    let inside = |module: &Vec<String>| module.first().is_some_and(|m| m == folder);
+    let mut found = Vec::new();
+    for (from, targets) in edges.iter().filter(|(from, _)| inside(from)) {
+        for (to, names) in targets {
+            if inside(to) || edges.get(to).is_none_or(|own| own.is_empty()) {
+                continue;
+            }
+            found.push(format!(
+                "{} -> {} ({}), which imports {}",
+                krate.files[from].display(),
+                krate.files[to].display(),
+                names.iter().cloned().collect::<Vec<_>>().join(", "),
+                edges[to]
+                    .keys()
+                    .map(|m| krate.files[m].display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+    }
+    found
+}
+
+/// The config is the bottom of the house: every module may read it, so it may import only
+/// leaves (pure rules and constants that import nothing of callbackd). Anything more and a
+/// module it reaches could not read the config without a circle.
+#[test]
+fn the_config_imports_only_leaves() {
+    let krate = Crate::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), "lib");
+    let found = non_leaf_imports(&krate, &import_graph(&krate), "config");
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn a_non_leaf_import_of_the_config_is_found() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let files = [
+        ("lib.rs", "pub mod config;\npub mod leaf;\npub mod store;\n"),
+        (
+            "config.rs",
+            "use crate::leaf::RULE;\nuse crate::store::Thing;\n",
+        ),
+        ("leaf.rs", "pub const RULE: u8 = 1;\n"),
+        ("store.rs", "use crate::leaf::RULE;\npub struct Thing;\n"),
+    ];
+    for (name, text) in files {
+        std::fs::write(dir.path().join(name), text).expect("write a source file");
+    }
+    let krate = Crate::read(dir.path(), "lib");
+    let found = non_leaf_imports(&krate, &import_graph(&krate), "config");
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("store.rs (Thing)"), "{found:?}");
 }
 
 #[test]

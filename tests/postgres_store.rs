@@ -604,7 +604,7 @@ async fn finished(store: &PostgresStore, ordering_key: &str, now: Millis) -> Mes
         dedupe: DedupeClaim {
             key: format!("{ordering_key}/claim"),
             ttl_secs: 60,
-            fingerprint: "fp".into(),
+            fingerprint: Some("fp".into()),
             response: format!(r#"{{"messageId":"{id}"}}"#),
         },
         message,
@@ -764,7 +764,7 @@ async fn two_stores_on_one_database_deliver_each_message_once_in_order_per_key()
             dedupe: DedupeClaim {
                 key: format!("{key}/{n}"),
                 ttl_secs: 60,
-                fingerprint: "fp".into(),
+                fingerprint: Some("fp".into()),
                 response: "{}".into(),
             },
             message,

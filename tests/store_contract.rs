@@ -506,7 +506,7 @@ async fn a_callback_claim_answers_with_its_derived_id(h: &Harness) {
     };
     assert_eq!(s.accept(repeat.clone(), day).await.unwrap(), replayed);
     let mut fingerprinted = repeat.clone();
-    fingerprinted.dedupe.fingerprint = "fp-1".into();
+    fingerprinted.dedupe.fingerprint = Some("fp-1".into());
     assert_eq!(
         s.accept(fingerprinted, day).await.unwrap(),
         AcceptOutcome::Conflict
@@ -612,7 +612,7 @@ fn request(claim_key: &str, message: NewMessage) -> AcceptRequest {
         dedupe: DedupeClaim {
             key: claim_key.to_string(),
             ttl_secs: TTL_SECS,
-            fingerprint: "fp-1".into(),
+            fingerprint: Some("fp-1".into()),
             response: format!(r#"{{"messageId":"{}"}}"#, message.id),
         },
         message,
@@ -638,7 +638,7 @@ fn callback_request(
         dedupe: DedupeClaim {
             key: claim_key.to_string(),
             ttl_secs,
-            fingerprint: String::new(),
+            fingerprint: None,
             response: format!(r#"{{"messageId":"{}"}}"#, message.id),
         },
         message,
@@ -881,7 +881,7 @@ async fn a_different_fingerprint_is_a_conflict(h: &Harness) {
         AcceptOutcome::Accepted
     );
     let mut other = request("k1", new_message("pay/1", T0 + 1));
-    other.dedupe.fingerprint = "fp-2".into();
+    other.dedupe.fingerprint = Some("fp-2".into());
     let other_id = other.message.id.clone();
     assert_eq!(
         s.accept(other, T0 + 1).await.unwrap(),
@@ -1107,7 +1107,7 @@ fn payment_sequence(payment_id: &str) -> (Vec<AcceptRequest>, Vec<AcceptOutcome>
     let approve = notification(payment_id, "approved", &["undefined"], T0);
     let deny = notification(payment_id, "denied", &["undefined"], T0 + 1);
     let mut other_fingerprint = notification(payment_id, "approved", &["undefined"], T0 + 2);
-    other_fingerprint.dedupe.fingerprint = "fp-2".into();
+    other_fingerprint.dedupe.fingerprint = Some("fp-2".into());
     let settle = notification(payment_id, "settled", &["approved"], T0 + 3);
     let again = notification(payment_id, "approved", &["undefined"], T0 + 4);
     let outcomes = vec![
@@ -2682,7 +2682,7 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
         dedupe: DedupeClaim {
             key: key.key,
             ttl_secs: TTL_SECS,
-            fingerprint: String::new(),
+            fingerprint: None,
             response: "not the stored one".into(),
         },
         ..request(
@@ -2912,7 +2912,7 @@ async fn the_release_fixture_goes_on(s: &dyn Inspectable, v: &str) {
             },
             "{key}"
         );
-        retry.dedupe.fingerprint = "another request".into();
+        retry.dedupe.fingerprint = Some("another request".into());
         assert_eq!(s.accept(retry, now).await.unwrap(), AcceptOutcome::Conflict);
     }
     assert_eq!(
@@ -3426,7 +3426,7 @@ mod redis_only {
             s.partitions(),
             "claim/src/payzu/tx-v3",
         );
-        retry.dedupe.fingerprint = String::new();
+        retry.dedupe.fingerprint = None;
         retry.dedupe.response = format!(r#"{{"messageId":"{}"}}"#, retry.message.id);
         assert_eq!(
             s.accept(retry, now).await.unwrap(),
@@ -3853,7 +3853,7 @@ mod sqlite_only {
         let later = T0 + 61_000;
         let mut after = request("k", new_message("pay/1", later));
         after.dedupe.ttl_secs = 60;
-        after.dedupe.fingerprint = "another request".into();
+        after.dedupe.fingerprint = Some("another request".into());
         let after_id = after.message.id.clone();
         assert_eq!(
             s.accept(after, later).await.unwrap(),

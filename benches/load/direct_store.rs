@@ -33,7 +33,7 @@ fn inbound_accept(tx: &str, now: i64, target_url: &str, partitions: Partitions) 
         dedupe: DedupeClaim {
             key: key.key,
             ttl_secs: DEDUPE_TTL_SECS,
-            fingerprint: String::new(),
+            fingerprint: None,
             response,
         },
         message: NewMessage {

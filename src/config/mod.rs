@@ -151,11 +151,11 @@ impl Default for StoreConfig {
         StoreConfig {
             url: "sqlite://data/callbackd.db".into(),
             dedupe_ttl_secs: 2_592_000,
-            payment_retention_secs: crate::store::DEFAULT_PAYMENT_RETENTION_SECS,
+            payment_retention_secs: crate::store::retention::DEFAULT_PAYMENT_RETENTION_SECS,
             sweep_interval_secs: 30,
             require_durable: false,
             timeout_ms: 5_000,
-            key_prefix: crate::store::redis::DEFAULT_KEY_PREFIX.into(),
+            key_prefix: crate::store::redis::prefix::DEFAULT_KEY_PREFIX.into(),
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,

@@ -13,7 +13,7 @@ use super::{
     MAX_SWEEP_INTERVAL_SECS, StoreLocation, StoreTls, invalid,
 };
 use crate::store::partitions::Partitions;
-use crate::store::redis::key_prefix_problem;
+use crate::store::redis::prefix::key_prefix_problem;
 
 /// Shortest token or secret accepted on a non-loopback `server.listen`: 16 random bytes are
 /// 128 bits, which nobody guesses.
@@ -341,7 +341,7 @@ fn parse_store_url(url: &str) -> Result<StoreLocation, ConfigError> {
     } else if url.starts_with("redis://") || url.starts_with("rediss://") {
         Ok(StoreLocation::Redis(url.to_string()))
     } else if is_postgres_url(url) {
-        crate::store::postgres::check_url(url).map_err(|why| invalid("store.url", why))?;
+        crate::store::postgres::url::check_url(url).map_err(|why| invalid("store.url", why))?;
         Ok(StoreLocation::Postgres(url.to_string()))
     } else {
         Err(invalid(
@@ -349,7 +349,7 @@ fn parse_store_url(url: &str) -> Result<StoreLocation, ConfigError> {
             format!(
                 "`{}` is neither sqlite://PATH nor redis://HOST:PORT/DB nor \
                  postgres://USER:PASSWORD@HOST:PORT/DB",
-                crate::store::redis::redacted_url(url)
+                crate::redact::url_credentials(url)
             ),
         ))
     }

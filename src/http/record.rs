@@ -27,7 +27,7 @@ pub struct Recorded {
 /// for a request without one is a fault of the store.
 pub async fn record(app: &App, request: AcceptRequest, now: Millis) -> Result<Recorded, ApiError> {
     let answer = request.dedupe.response.clone();
-    let fingerprinted = !request.dedupe.fingerprint.is_empty();
+    let fingerprinted = request.dedupe.fingerprint.is_some();
     let to = request.payment.as_ref().map(|p| p.to.to_string());
     match (app.store.accept(request, now).await?, to) {
         (AcceptOutcome::Accepted, _) => {

@@ -112,7 +112,7 @@ pub fn accept_request(
         dedupe: DedupeClaim {
             key: key.key,
             ttl_secs: source.dedupe_ttl.as_secs(),
-            fingerprint: String::new(),
+            fingerprint: None,
             response,
         },
         seal: callback
@@ -212,7 +212,10 @@ mod tests {
         let key = dedupe::derive("payzu", &json, None, &fields).unwrap().key;
         assert_eq!(request.dedupe.key, key);
         assert_eq!(request.dedupe.ttl_secs, 30 * 86_400);
-        assert_eq!(request.dedupe.fingerprint, "", "the key is the body's own");
+        assert_eq!(
+            request.dedupe.fingerprint, None,
+            "the key is the body's own"
+        );
         assert_eq!(
             request.dedupe.response,
             format!(r#"{{"messageId":"{}"}}"#, m.id)

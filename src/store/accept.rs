@@ -14,10 +14,26 @@ pub struct DedupeClaim {
     /// both) and for notifications (keys are scoped to the payment).
     pub key: String,
     pub ttl_secs: u64,
-    /// Hash of the request; a replay with a different one is a conflict (422). Empty for
+    /// Hash of the request; a replay with a different one is a conflict (422). `None` for
     /// inbound callbacks, whose key is derived from the body itself.
-    pub fingerprint: String,
+    pub fingerprint: Option<String>,
     pub response: String,
+}
+
+/// How every engine stores "no fingerprint": as the empty string, in every layout so far, so
+/// claims written by earlier releases read back the same. Only the storage format knows it.
+const NO_FINGERPRINT: &str = "";
+
+impl DedupeClaim {
+    /// The fingerprint in the engines' storage format.
+    pub fn stored_fingerprint(&self) -> &str {
+        self.fingerprint.as_deref().unwrap_or(NO_FINGERPRINT)
+    }
+}
+
+/// A fingerprint read back from storage: the stored form of "none" is none.
+pub fn fingerprint_from_stored(stored: String) -> Option<String> {
+    (stored != NO_FINGERPRINT).then_some(stored)
 }
 
 /// The payment status compare-and-set that goes with a notification.

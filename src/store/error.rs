@@ -32,3 +32,9 @@ pub enum StoreError {
     #[error("{0}")]
     Incompatible(String),
 }
+
+impl From<super::partitions::PartitionsMismatch> for StoreError {
+    fn from(mismatch: super::partitions::PartitionsMismatch) -> StoreError {
+        StoreError::Incompatible(mismatch.to_string())
+    }
+}

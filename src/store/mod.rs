@@ -27,12 +27,16 @@ mod operations;
 pub mod partitions;
 pub mod postgres;
 pub mod redis;
+pub mod retention;
 pub mod sqlite;
 pub mod sweeper;
 
 use async_trait::async_trait;
 
-pub use accept::{AcceptOutcome, AcceptRequest, DedupeClaim, PaymentTransition, SignatureSeal};
+pub use accept::{
+    AcceptOutcome, AcceptRequest, DedupeClaim, PaymentTransition, SignatureSeal,
+    fingerprint_from_stored,
+};
 pub use delivery::{Completion, Lease, ResendEffect};
 pub use error::StoreError;
 pub use history::{
@@ -48,13 +52,9 @@ pub use operations::{
     OperationReservation, decode_operation, encode_finished_operation, encode_running_operation,
 };
 pub use partitions::Partitions;
+pub use retention::DEFAULT_PAYMENT_RETENTION_SECS;
 
 use crate::clock::Millis;
-
-/// How long a payment's status outlives its last transition when the config says nothing:
-/// 400 days, past any refund or chargeback window, so a refund on day 31 still finds the
-/// payment `settled` after its dedupe claims are long gone.
-pub const DEFAULT_PAYMENT_RETENTION_SECS: u64 = 400 * 86_400;
 
 /// Expired keys or rows removed per partition and sweep call: a sweep never stalls writers.
 pub const SWEEP_LIMIT: usize = 1000;

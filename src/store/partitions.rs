@@ -9,8 +9,6 @@
 
 use std::fmt;
 
-use super::StoreError;
-
 /// A partition count, 1 to [`Partitions::MAX`]: every partition is numbered by one byte.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Partitions(u16);
@@ -65,9 +63,18 @@ pub enum Found {
     Unrecorded,
 }
 
+/// A configured count that contradicts the store's: the store refuses to start
+/// ([`super::StoreError::Incompatible`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PartitionsMismatch(String);
+
 /// The count a store opens with: what it holds decides, and `configured` (`store.partitions`,
 /// when set) must agree; a store with nothing in it yet takes `configured` or the default.
-pub fn settle(configured: Option<Partitions>, found: Found) -> Result<Partitions, StoreError> {
+pub fn settle(
+    configured: Option<Partitions>,
+    found: Found,
+) -> Result<Partitions, PartitionsMismatch> {
     let (held, how) = match found {
         Found::Empty => return Ok(configured.unwrap_or(Partitions::DEFAULT)),
         Found::Recorded(held) => (held, "records"),
@@ -77,7 +84,7 @@ pub fn settle(configured: Option<Partitions>, found: Found) -> Result<Partitions
         ),
     };
     match configured {
-        Some(configured) if configured != held => Err(StoreError::Incompatible(format!(
+        Some(configured) if configured != held => Err(PartitionsMismatch(format!(
             "store.partitions = {configured}, but this store {how} {held} partitions: message \
              ids and key hash tags embed the partition, so another count would orphan the \
              messages already queued. Remove store.partitions to use the store's count, or \

@@ -329,7 +329,7 @@ pub fn notification_request(
         dedupe: DedupeClaim {
             key: dedupe_key.to_string(),
             ttl_secs: 3600,
-            fingerprint: "fp".into(),
+            fingerprint: Some("fp".into()),
             response: format!(r#"{{"messageId":"{id}"}}"#),
         },
         message: NewMessage {

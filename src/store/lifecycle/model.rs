@@ -159,7 +159,7 @@ pub struct Model {
     /// Unfinished messages of each ordering key in delivery order; only the head is due.
     queues: BTreeMap<String, VecDeque<MessageId>>,
     /// Each dedupe claim's fingerprint and first answer.
-    claims: BTreeMap<String, Expiring<(String, String)>>,
+    claims: BTreeMap<String, Expiring<(Option<String>, String)>>,
     seals: BTreeMap<String, Expiring<String>>,
     payments: BTreeMap<String, Expiring<PaymentStatus>>,
 }

@@ -41,7 +41,7 @@ fn plus_ms(now: Millis, ms: u64) -> Millis {
 /// The dedupe claim an accept found alive.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveClaim {
-    pub fingerprint: String,
+    pub fingerprint: Option<String>,
     pub response: String,
     pub ends_at: Millis,
 }

@@ -12,7 +12,7 @@ use super::locks::{Lock, lock};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
-use crate::store::{AcceptOutcome, AcceptRequest, StoreError};
+use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
 
 /// Applies store::lifecycle::accept to what this transaction reads.
 pub(super) async fn accept(
@@ -96,7 +96,7 @@ pub(super) async fn accept(
         &insert_claim,
         &[
             &claim.key,
-            &claim.fingerprint,
+            &claim.stored_fingerprint(),
             &claim.response,
             &plan.claim_ends,
         ],
@@ -156,7 +156,7 @@ async fn read_claim(
         .db()?;
     match tx.query_opt(&statement, &[&key, &now]).await.db()? {
         Some(row) => Ok(Some(LiveClaim {
-            fingerprint: column(&row, 0)?,
+            fingerprint: fingerprint_from_stored(column(&row, 0)?),
             response: column(&row, 1)?,
             ends_at: column(&row, 2)?,
         })),

@@ -43,6 +43,7 @@ mod migrate;
 mod operations;
 mod reads;
 mod sweep;
+pub mod url;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,9 +51,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::FutureExt;
 
-pub use connection::{ClientCertificate, PostgresTls, check_url, redacted_url};
+pub use connection::{ClientCertificate, PostgresTls};
 pub use durability::{DurabilitySettings, Setting, judge};
 pub use migrate::LAYOUT_VERSION;
+pub use url::{check_url, redacted_url};
 
 use self::connection::Database;
 use self::days::{Days, end_day};

@@ -69,7 +69,7 @@ pub(super) async fn accept(
         ],
     );
     call.arg(plan.claim_ends)
-        .arg(&req.dedupe.fingerprint)
+        .arg(req.dedupe.stored_fingerprint())
         .arg(stored_response(&req.dedupe.response))
         .arg(msg.id.as_str())
         .arg(to_json(msg)?)
@@ -301,7 +301,7 @@ fn compact_claim(req: &AcceptRequest, now: Millis) -> Option<String> {
     let id = &req.message.id;
     let minutes = claim.ttl_secs / 60;
     let derivable = now > 0
-        && claim.fingerprint.is_empty()
+        && claim.fingerprint.is_none()
         && claim.ttl_secs.is_multiple_of(60)
         && (1..=COMPACT_CLAIM_MAX_MINUTES).contains(&minutes)
         && *id == MessageId::of_claim(now, id.partition(), &claim.key)
@@ -363,7 +363,7 @@ mod tests {
             dedupe: DedupeClaim {
                 key: claim_key.into(),
                 ttl_secs,
-                fingerprint: String::new(),
+                fingerprint: None,
                 response: format!(r#"{{"messageId":"{id}"}}"#),
             },
             message: NewMessage {
@@ -400,7 +400,7 @@ mod tests {
         );
 
         let mut fingerprinted = callback("claim-a", 2_592_000);
-        fingerprinted.dedupe.fingerprint = "fp".into();
+        fingerprinted.dedupe.fingerprint = Some("fp".into());
         let mut other_answer = callback("claim-a", 2_592_000);
         other_answer.dedupe.response.push(' ');
         let mut random_id = callback("claim-a", 2_592_000);

@@ -32,7 +32,8 @@ use redis::cluster_routing::{
 use redis::{Cmd, FromRedisValue, IntoConnectionInfo, Pipeline, RedisResult, Value};
 
 use super::replaceable::{Replaceable, broken_cluster_connection, broken_server_connection};
-use super::{RedisStore, RedisTls, decode, redacted_url, unavailable};
+use super::{RedisStore, RedisTls, decode, unavailable};
+use crate::redact::url_credentials;
 use crate::store::StoreError;
 
 /// How many per-partition pipelines a cluster fan-out keeps in flight: enough for every master
@@ -140,7 +141,7 @@ impl Connection {
         let no_answer = || {
             StoreError::Unreachable(format!(
                 "no answer from {} within {timeout:?}",
-                redacted_url(url)
+                url_credentials(url)
             ))
         };
         let mut single = tokio::time::timeout(

@@ -89,31 +89,9 @@ pub(super) const EXPIRY_BUCKET_MS: u64 = 3_600_000;
 /// Characters of the claim key's hash in a dedupe key's name.
 const DEDUPE_HASH_CHARS: usize = 16;
 
-/// The prefix of every key when `store.key_prefix` is not set: the names of every layout
-/// before the prefix was configurable, so the default moves nothing.
-pub const DEFAULT_KEY_PREFIX: &str = "cb";
-
 /// Hash of an ordering key in key names and in the `kh` field.
 pub(super) fn key_hash(ordering_key: &str) -> String {
     short_hash(ordering_key.as_bytes())
-}
-
-/// Why a `store.key_prefix` is refused, `None` when it is usable. Letters, digits, `_`, `-`
-/// and `.` only: `{` and `}` would move the hash tag, `:` would make one prefix the start of
-/// another's names, and glob characters would widen the upgrade's SCAN patterns.
-pub fn key_prefix_problem(prefix: &str) -> Option<&'static str> {
-    if prefix.is_empty() {
-        Some("must not be empty")
-    } else if prefix.len() > 64 {
-        Some("must be at most 64 characters")
-    } else if !prefix
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
-    {
-        Some("may hold only ASCII letters, digits, '_', '-' and '.'")
-    } else {
-        None
-    }
 }
 
 /// Every key name of one deployment: all start with its prefix, and its messages' keys lie in

@@ -41,6 +41,7 @@ mod commands;
 mod connection;
 mod keys;
 mod partitions;
+pub mod prefix;
 mod reads;
 mod replaceable;
 mod scripts;
@@ -66,7 +67,8 @@ use connection::{Connection, Primary, Request, is_refusal};
 use keys::KeySpace;
 use scripts::{LuaScript, Scripts};
 
-pub use keys::{DEFAULT_KEY_PREFIX, SCHEMA_VERSION, key_prefix_problem};
+pub use keys::SCHEMA_VERSION;
+pub use prefix::{DEFAULT_KEY_PREFIX, key_prefix_problem};
 
 /// How to reach Redis beyond its URL, and where in it this deployment's keys live.
 #[derive(Debug, Clone)]
@@ -114,18 +116,6 @@ impl std::fmt::Debug for RedisTls {
             .field("ca_pem_bytes", &self.ca_pem.len())
             .field("client_identity", &self.client.is_some())
             .finish()
-    }
-}
-
-/// `url` with its user and password replaced, for messages and logs: an ACL password in
-/// `store.url` must never reach either.
-pub fn redacted_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return "<unparsable URL>".to_string();
-    };
-    match rest.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}"),
-        None => url.to_string(),
     }
 }
 

@@ -10,7 +10,7 @@ use super::error::{Db, corrupt};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
-use crate::store::{AcceptOutcome, AcceptRequest, StoreError};
+use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
 
 /// Applies store::lifecycle::accept to what this transaction reads.
 pub(super) fn accept(
@@ -27,7 +27,7 @@ pub(super) fn accept(
         .db()?
         .query_row(params![req.dedupe.key, now], |r| {
             Ok(LiveClaim {
-                fingerprint: r.get(0)?,
+                fingerprint: fingerprint_from_stored(r.get(0)?),
                 response: r.get(1)?,
                 ends_at: r.get(2)?,
             })
@@ -93,7 +93,7 @@ pub(super) fn accept(
     .db()?
     .execute(params![
         claim.key,
-        claim.fingerprint,
+        claim.stored_fingerprint(),
         claim.response,
         plan.claim_ends
     ])

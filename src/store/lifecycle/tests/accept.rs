@@ -61,7 +61,7 @@ fn a_replay_gets_the_first_answer_and_records_nothing() {
     assert!(m.message(&repeat.message.id).is_none());
 
     let mut other = request("k", new_message("pay/1", T0 + 6));
-    other.dedupe.fingerprint = "another body".into();
+    other.dedupe.fingerprint = Some("another body".into());
     assert_eq!(m.accept(&other, T0 + 6), AcceptOutcome::Conflict);
     assert!(m.message(&other.message.id).is_none());
     assert_eq!(m.messages().count(), 1);
@@ -80,7 +80,7 @@ fn a_dedupe_claim_ends_after_its_ttl() {
     ));
     // Ended, even before a sweep: a new event, whatever its fingerprint.
     let mut after = request("k", new_message("pay/1", end));
-    after.dedupe.fingerprint = "another body".into();
+    after.dedupe.fingerprint = Some("another body".into());
     assert_eq!(m.accept(&after, end), AcceptOutcome::Accepted);
     assert!(
         m.message(&first.message.id).is_some(),
@@ -109,7 +109,7 @@ fn a_signature_answers_for_its_own_dedupe_key_while_it_could_verify() {
     };
     // The same signature and dedupe key, even another fingerprint: the seal answers first.
     let mut again = sealed("tx-1/COMPLETED", "sig-1", until, T0 + 1);
-    again.dedupe.fingerprint = "other".into();
+    again.dedupe.fingerprint = Some("other".into());
     assert_eq!(m.accept(&again, T0 + 1), answer);
     // Another dedupe key (an unsigned header changed): refused, and nothing recorded, no key
     // claimed: the real event, signed again, is accepted.
@@ -126,7 +126,7 @@ fn a_signature_answers_for_its_own_dedupe_key_while_it_could_verify() {
     assert_eq!(m.accept(&elsewhere, T0 + 5), AcceptOutcome::SignatureReused);
     // A conflict seals nothing.
     let mut conflict = sealed("tx-1/COMPLETED", "sig-3", until, T0 + 6);
-    conflict.dedupe.fingerprint = "other".into();
+    conflict.dedupe.fingerprint = Some("other".into());
     assert_eq!(m.accept(&conflict, T0 + 6), AcceptOutcome::Conflict);
     let fresh = sealed("tx-1/OTHER", "sig-3", until, T0 + 7);
     assert_eq!(m.accept(&fresh, T0 + 7), AcceptOutcome::Accepted);

@@ -47,7 +47,7 @@ fn request(dedupe_key: &str, message: NewMessage) -> AcceptRequest {
         dedupe: DedupeClaim {
             key: dedupe_key.to_string(),
             ttl_secs: TTL_SECS,
-            fingerprint: "fp".into(),
+            fingerprint: Some("fp".into()),
             response: format!("answer for {}", message.id),
         },
         message,
