@@ -1,12 +1,16 @@
-//! Real `callbackd serve` processes sharing one Redis (or one Redis Cluster): crashes,
-//! scale-out, graceful shutdown.
+//! Real `callbackd serve` processes sharing one Redis (or one Redis Cluster, or one
+//! PostgreSQL database): crashes, scale-out, graceful shutdown.
 
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
 mod support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use postgres_support::PostgresServer;
 use serde_json::{Value, json};
 use support::process::Process;
 use support::redis::RedisServer;
@@ -15,14 +19,24 @@ use support::sink::{Gate, Reply, Sink};
 use support::{CONNECTOR_TOKEN, eventually};
 
 async fn hand_off(client: &reqwest::Client, base: &str, payment: &str, target: &str) -> Value {
+    hand_off_status(client, base, payment, "approved", target).await
+}
+
+async fn hand_off_status(
+    client: &reqwest::Client,
+    base: &str,
+    payment: &str,
+    status: &str,
+    target: &str,
+) -> Value {
     let r = client
         .post(format!("{base}/v1/notifications"))
         .bearer_auth(CONNECTOR_TOKEN)
-        .json(&json!({"paymentId": payment, "status": "approved", "callbackUrl": target}))
+        .json(&json!({"paymentId": payment, "status": status, "callbackUrl": target}))
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 202);
+    assert_eq!(r.status(), 202, "{payment} {status}");
     r.json().await.unwrap()
 }
 
@@ -148,23 +162,33 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
     assert_eq!(sink.count(), total);
 }
 
-/// Two processes given different nodes of one cluster, each write acknowledged by its master's
-/// replica: hand-offs spread over every master are each delivered once.
-#[tokio::test]
-async fn two_processes_on_a_cluster_deliver_three_hundred_hand_offs_exactly_once() {
-    let cluster = RedisCluster::start();
+/// Two processes, one on each of `store_urls`, take the hand-offs of 300 payments in turn,
+/// each payment's `statuses` one after the other, each through the other process than the
+/// one before, so a payment's queue is written by both. Each hand-off is delivered exactly
+/// once, and each payment's in the order it was handed off.
+async fn two_processes_deliver_hand_offs_exactly_once_in_order(
+    store_urls: [&str; 2],
+    env: &[(&str, &str)],
+    statuses: &[&str],
+) {
     let (sink, seen) = counting_sink().await;
-    let acked = [("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "1")];
-    let processes: Vec<Process> = cluster.nodes()[..2]
+    let processes: Vec<Process> = store_urls
         .iter()
-        .map(|node| Process::start_with_env(&node.url(), "", &acked))
+        .map(|url| Process::start_with_env(url, "", env))
         .collect();
     let client = support::client();
-    let total = 300;
+    let payments = 300;
+    let total = payments * statuses.len();
     let target = format!("{}/cb", sink.url);
-    for i in 0..total {
-        hand_off(&client, &processes[i % 2].url, &format!("pay-{i}"), &target).await;
+    let mut sent = 0;
+    for (step, status) in statuses.iter().enumerate() {
+        for i in 0..payments {
+            let base = &processes[(i + step) % 2].url;
+            hand_off_status(&client, base, &format!("pay-{i}"), status, &target).await;
+            sent += 1;
+        }
     }
+    assert_eq!(sent, total);
     eventually(60, "every hand-off delivered", || async {
         (seen.lock().unwrap().len() == total).then_some(())
     })
@@ -177,6 +201,46 @@ async fn two_processes_on_a_cluster_deliver_three_hundred_hand_offs_exactly_once
         "without crashes, exactly once"
     );
     assert_eq!(sink.count(), total);
+    let mut delivered: HashMap<String, Vec<String>> = HashMap::new();
+    for r in sink.received() {
+        let body = r.json();
+        delivered
+            .entry(body["paymentId"].as_str().unwrap_or_default().to_string())
+            .or_default()
+            .push(body["status"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(delivered.len(), payments);
+    for (payment, got) in &delivered {
+        assert_eq!(got, statuses, "{payment}: in the order handed off");
+    }
+}
+
+/// Two processes given different nodes of one cluster, each write acknowledged by its master's
+/// replica: hand-offs spread over every master are each delivered once.
+#[tokio::test]
+async fn two_processes_on_a_cluster_deliver_three_hundred_hand_offs_exactly_once() {
+    let cluster = RedisCluster::start();
+    let urls = [cluster.nodes()[0].url(), cluster.nodes()[1].url()];
+    two_processes_deliver_hand_offs_exactly_once_in_order(
+        [&urls[0], &urls[1]],
+        &[("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "1")],
+        &["approved"],
+    )
+    .await;
+}
+
+/// Two processes on one PostgreSQL database share its queue: 300 payments approved, then
+/// settled, 600 hand-offs, each delivered once and each payment's in order.
+#[tokio::test]
+async fn two_processes_on_postgres_deliver_two_times_three_hundred_hand_offs_exactly_once() {
+    let server = PostgresServer::start();
+    let url = server.url();
+    two_processes_deliver_hand_offs_exactly_once_in_order(
+        [&url, &url],
+        &[],
+        &["approved", "settled"],
+    )
+    .await;
 }
 
 /// SIGTERM while a delivery is held open by the receiver: new connections are refused,
