@@ -11,9 +11,21 @@
 //! `store.min_replicas_acked = 1` none of them may get a 2xx (with 0, several do), and every
 //! event acknowledged before the failover is still a replay after it.
 //!
+//! On PostgreSQL, two processes share one private server whose postmaster is stopped at once
+//! (`pg_ctl stop -m immediate`) or SIGKILLed with its backends every third round and started
+//! again: every event acknowledged before the last crash is a replay after it. The failover
+//! variant runs a primary with a synchronous standby, both in `store.url`
+//! (`target_session_attrs=read-write`): the standby is paused (SIGSTOP) long enough for the
+//! primary to cancel the waits of the commits it cannot replicate, then the primary is
+//! SIGKILLed and the standby resumed and promoted. Nothing may get a 2xx while the standby is
+//! paused, and every event acknowledged before the kill is a replay on the new primary.
+//!
 //! CI runs a short version. A longer one: `CHAOS_SECS=300 cargo test --release --test chaos
 //! -- --nocapture` (figures in RELIABILITY.md).
 
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
 mod support;
 
 use std::collections::{HashMap, HashSet};
@@ -23,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use callbackd::store::Partitions;
 use callbackd::store::ids::partition_of;
+use postgres_support::PostgresServer;
 use serde_json::{Value, json};
 use support::process::Process;
 use support::redis::RedisServer;
@@ -324,6 +337,18 @@ enum StoreFault {
     /// the old master comes back as a replica. `store.url` names another node, so restarted
     /// processes still find the cluster.
     FailOverMaster { cluster: RedisCluster, victim: u16 },
+    /// Every third round the PostgreSQL server crashes, alternately by `pg_ctl stop -m
+    /// immediate` and by SIGKILL of the postmaster and its backends, and starts again: crash
+    /// recovery replays the WAL.
+    CrashPostgres(PostgresServer),
+    /// In the second round the primary's synchronous standby is paused for at least `hold`
+    /// and until requests have been answered meanwhile; then the primary is SIGKILLed, the
+    /// standby resumed and promoted. `store.url` names both, primary first.
+    FailOverPostgres {
+        primary: PostgresServer,
+        standby: PostgresServer,
+        hold: Duration,
+    },
 }
 
 /// Requests for the victim's partitions answered while its replica was paused, before the
@@ -369,6 +394,41 @@ impl Failover {
     }
 }
 
+/// Every store partition: what a single PostgreSQL server holds.
+fn all_partitions() -> HashSet<u8> {
+    (0..Partitions::DEFAULT.count())
+        .filter_map(|p| u8::try_from(p).ok())
+        .collect()
+}
+
+/// Waits, at least `hold` after `paused_at`, until [`ANSWERED_WHILE_PAUSED`] requests for
+/// `partitions` sent since have been answered.
+async fn answered_while_paused(
+    ledger: &Ledger,
+    partitions: &HashSet<u8>,
+    paused_at: Instant,
+    hold: Duration,
+) {
+    let deadline = paused_at + hold + Duration::from_secs(60);
+    loop {
+        let answered = ledger
+            .answers
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|a| a.sent >= paused_at && partitions.contains(&partition_of_event(a.event)))
+            .count();
+        if answered >= ANSWERED_WHILE_PAUSED && paused_at.elapsed() >= hold {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no request for the victim's partitions was answered while its replica was paused"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The store partitions whose keys (`cb:{pNN}:...`) live on the master on `port`.
 fn partitions_on(cluster: &RedisCluster, port: u16) -> HashSet<u8> {
     (0..Partitions::DEFAULT.count())
@@ -379,7 +439,14 @@ fn partitions_on(cluster: &RedisCluster, port: u16) -> HashSet<u8> {
 
 impl StoreFault {
     /// Applies this round's fault, noting in `failover` when it kills a master.
-    async fn strike(&mut self, round: usize, failover: &mut Option<Failover>, ledger: &Ledger) {
+    /// A crash of the store it restarts is noted in `crashes`.
+    async fn strike(
+        &mut self,
+        round: usize,
+        failover: &mut Option<Failover>,
+        crashes: &mut Vec<Instant>,
+        ledger: &Ledger,
+    ) {
         match self {
             StoreFault::None => {}
             StoreFault::RestartRedis(redis) => {
@@ -400,27 +467,7 @@ impl StoreFault {
                     // Until the senders' requests for those partitions have come back: each
                     // waits for a replica's acknowledgement up to four fifths of the store
                     // timeout, however long that takes on this machine.
-                    let deadline = paused_at + Duration::from_secs(60);
-                    loop {
-                        let answered = ledger
-                            .answers
-                            .lock()
-                            .unwrap()
-                            .iter()
-                            .filter(|a| {
-                                a.sent >= paused_at
-                                    && partitions.contains(&partition_of_event(a.event))
-                            })
-                            .count();
-                        if answered >= ANSWERED_WHILE_PAUSED {
-                            break;
-                        }
-                        assert!(
-                            Instant::now() < deadline,
-                            "no request for the victim's partitions was answered while its replica was paused"
-                        );
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+                    answered_while_paused(ledger, &partitions, paused_at, Duration::ZERO).await;
                     cluster.kill(*victim);
                     let killed_at = Instant::now();
                     let paused = cluster.nodes().iter().find(|n| n.port == replica);
@@ -440,6 +487,46 @@ impl StoreFault {
                 }
                 _ => {}
             },
+            StoreFault::CrashPostgres(server) => {
+                if round.is_multiple_of(3) {
+                    tokio::task::block_in_place(|| {
+                        if round.is_multiple_of(6) {
+                            server.kill9();
+                        } else {
+                            server.stop_immediate();
+                        }
+                        crashes.push(Instant::now());
+                        std::thread::sleep(Duration::from_millis(300));
+                        server.start_again();
+                    });
+                }
+            }
+            StoreFault::FailOverPostgres {
+                primary,
+                standby,
+                hold,
+            } => {
+                if round == 2 && failover.is_none() {
+                    let partitions = all_partitions();
+                    standby.pause();
+                    let paused_at = Instant::now();
+                    answered_while_paused(ledger, &partitions, paused_at, *hold).await;
+                    let killed_at = tokio::task::block_in_place(|| {
+                        primary.kill9();
+                        let killed_at = Instant::now();
+                        standby.resume();
+                        standby.promote();
+                        killed_at
+                    });
+                    *failover = Some(Failover {
+                        partitions,
+                        paused_at,
+                        killed_at,
+                        took_over_at: Some(Instant::now()),
+                        rejoined: true,
+                    });
+                }
+            }
         }
     }
 
@@ -519,6 +606,7 @@ async fn run_chaos(
     let started = Instant::now();
     let mut round = 0;
     let mut failover = None;
+    let mut crashes = Vec::new();
     // When each round's callbackd kill happened: every round must acknowledge something.
     let mut kills = Vec::new();
     while started.elapsed() < chaos_duration() {
@@ -528,7 +616,9 @@ async fn run_chaos(
         let _ = procs[victim].child.kill();
         let _ = procs[victim].child.wait();
         kills.push(Instant::now());
-        fault.strike(round, &mut failover, &ledger).await;
+        fault
+            .strike(round, &mut failover, &mut crashes, &ledger)
+            .await;
         procs[victim] = restart();
         *urls[victim].lock().unwrap() = procs[victim].url.clone();
     }
@@ -580,8 +670,15 @@ async fn run_chaos(
         // the failover can stay unready: see the report of issue 23.)
         procs.push(start());
         let bases = vec![procs[procs.len() - 1].url.clone()];
-        let replays =
-            replays_of_events_before(&client, &bases, &ledger, &failover, &sink.url).await;
+        let replays = replays_of_events_before(
+            &client,
+            &bases,
+            &ledger,
+            failover.killed_at,
+            &failover.partitions,
+            &sink.url,
+        )
+        .await;
         println!(
             "chaos [{name}]: of the events acknowledged before the failover, {} on the killed master's partitions; {} replayed with their ids, {} lost",
             replays.on_victim,
@@ -604,6 +701,33 @@ async fn run_chaos(
             replays.lost,
             Vec::<usize>::new(),
             "acknowledged before the failover, not replays after it"
+        );
+    }
+    if let Some(crashed_at) = crashes.last() {
+        let bases: Vec<String> = procs.iter().map(|p| p.url.clone()).collect();
+        let replays = replays_of_events_before(
+            &client,
+            &bases,
+            &ledger,
+            *crashed_at,
+            &all_partitions(),
+            &sink.url,
+        )
+        .await;
+        println!(
+            "chaos [{name}]: {} store crashes; of the events acknowledged before the last, {} replayed with their ids, {} lost",
+            crashes.len(),
+            replays.replayed,
+            replays.lost.len()
+        );
+        assert!(
+            replays.replayed > 0,
+            "events were acknowledged before the last crash"
+        );
+        assert_eq!(
+            replays.lost,
+            Vec::<usize>::new(),
+            "acknowledged before a crash of the store, not replays after it"
         );
     }
     let drain_deadline = Instant::now() + Duration::from_secs(90);
@@ -634,11 +758,11 @@ struct Replays {
     replayed: usize,
     /// Events whose repeat was accepted as new: the store no longer held them.
     lost: Vec<usize>,
-    /// Of all checked, those in the killed master's partitions.
+    /// Of all checked, those in the partitions the fault struck.
     on_victim: usize,
 }
 
-/// Sends every event acknowledged before the kill once more, until it gets a 2xx, round-robin
+/// Sends every event acknowledged before `before` (a kill or a crash) once more, until it gets a 2xx, round-robin
 /// over the processes as the senders do (a process's cluster connections may still be
 /// settling after the failover): each must be answered as a replay, with the id of its first
 /// answer, or it was lost.
@@ -646,18 +770,15 @@ async fn replays_of_events_before(
     client: &reqwest::Client,
     bases: &[String],
     ledger: &Ledger,
-    failover: &Failover,
+    before: Instant,
+    partitions: &HashSet<u8>,
     sink_url: &str,
 ) -> Replays {
     let earlier: Vec<(usize, String)> = {
         let acknowledged = ledger.acknowledged.lock().unwrap();
         let ids = ledger.ids.lock().unwrap();
         ids.iter()
-            .filter(|(_, id)| {
-                acknowledged
-                    .get(*id)
-                    .is_some_and(|at| *at < failover.killed_at)
-            })
+            .filter(|(_, id)| acknowledged.get(*id).is_some_and(|at| *at < before))
             .map(|(n, id)| (*n, id.clone()))
             .collect()
     };
@@ -684,7 +805,7 @@ async fn replays_of_events_before(
                 }
             }
         };
-        if failover.partitions.contains(&partition_of_event(*n)) {
+        if partitions.contains(&partition_of_event(*n)) {
             replays.on_victim += 1;
         }
         let replayed = r
@@ -746,4 +867,43 @@ async fn chaos_sqlite_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("chaos.db").display());
     run_chaos(&url, 1, StoreFault::None, &[], "sqlite").await;
+}
+
+/// Two processes on one PostgreSQL server, SIGKILLed in turn, while the server crashes every
+/// third round (`pg_ctl stop -m immediate`, or SIGKILL of the postmaster and its backends)
+/// and restarts: every acknowledged event is delivered, and every event acknowledged before
+/// the last crash is a replay after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_postgres_kill_9() {
+    let server = PostgresServer::start();
+    let url = server.url();
+    run_chaos(&url, 2, StoreFault::CrashPostgres(server), &[], "postgres").await;
+}
+
+/// A primary with a synchronous standby, both in `store.url`: the standby is paused long
+/// enough for the primary to cancel, at `statement_timeout`, the waits of commits it cannot
+/// replicate; none of them, nor a retry of them, may get a 2xx. Then the primary is SIGKILLed
+/// and the standby promoted: callbackd goes on on it, every acknowledged event is delivered,
+/// and every event acknowledged before the kill is a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_postgres_failover_to_a_synchronous_standby() {
+    let primary = PostgresServer::start();
+    let standby = PostgresServer::standby_of(&primary);
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        primary.port, standby.port
+    );
+    // A short store timeout, so the pause outlasts several of them.
+    run_chaos(
+        &url,
+        2,
+        StoreFault::FailOverPostgres {
+            primary,
+            standby,
+            hold: Duration::from_secs(4),
+        },
+        &[("CALLBACKD__STORE__TIMEOUT_MS", "1000")],
+        "postgres failover",
+    )
+    .await;
 }
