@@ -15,10 +15,11 @@
 //! (`pg_ctl stop -m immediate`) or SIGKILLed with its backends every third round and started
 //! again: every event acknowledged before the last crash is a replay after it. The failover
 //! variant runs a primary with a synchronous standby, both in `store.url`
-//! (`target_session_attrs=read-write`): the standby is paused (SIGSTOP) long enough for the
-//! primary to cancel the waits of the commits it cannot replicate, then the primary is
-//! SIGKILLed and the standby resumed and promoted. Nothing may get a 2xx while the standby is
-//! paused, and every event acknowledged before the kill is a replay on the new primary.
+//! (`target_session_attrs=read-write`): the standby is paused (SIGSTOP) for several store
+//! timeouts, then the primary is SIGKILLed and the standby resumed and promoted. Nothing may
+//! get a 2xx while the standby is paused (each commit waits for it, and neither callbackd's
+//! timeout nor the statement timeout makes it local), callbackd goes on on the promoted
+//! standby, and every event acknowledged before the kill is a replay there.
 //!
 //! CI runs a short version. A longer one: `CHAOS_SECS=300 cargo test --release --test chaos
 //! -- --nocapture` (figures in RELIABILITY.md).
@@ -177,6 +178,8 @@ struct Answer {
     sent: Instant,
     answered: Instant,
     success: bool,
+    /// A 2xx answered as a replay (`Idempotent-Replayed: true`) of a write made earlier.
+    replayed: bool,
 }
 
 #[derive(Default)]
@@ -247,11 +250,17 @@ async fn send_until_acknowledged(
         let sent = Instant::now();
         let answer = event_request(client, &base, n, sink_url).send().await;
         let success = answer.as_ref().is_ok_and(|r| r.status().is_success());
+        let replayed = answer.as_ref().is_ok_and(|r| {
+            r.headers()
+                .get("idempotent-replayed")
+                .is_some_and(|v| v == "true")
+        });
         ledger.answers.lock().unwrap().push(Answer {
             event: n,
             sent,
             answered: Instant::now(),
             success,
+            replayed,
         });
         match answer {
             Ok(r) if r.status().is_success() => {
@@ -376,19 +385,22 @@ struct Failover {
 
 impl Failover {
     /// Requests for the killed master's partitions sent after its replica was paused and
-    /// answered before the kill: (2xx, refused).
-    fn answers_while_paused(&self, ledger: &Ledger) -> (usize, usize) {
+    /// answered before the kill: (2xx for a new write, 2xx replays, refused). A replay there is
+    /// of a write made before the pause, which the replica had (a retry of a request whose
+    /// answer was lost with a SIGKILLed process); the replay check after the failover finds
+    /// out if it did not.
+    fn answers_while_paused(&self, ledger: &Ledger) -> (usize, usize, usize) {
         let answers = ledger.answers.lock().unwrap();
         let window = answers.iter().filter(|a| {
             a.sent >= self.paused_at
                 && a.answered <= self.killed_at
                 && self.partitions.contains(&partition_of_event(a.event))
         });
-        window.fold((0, 0), |(ok, refused), a| {
-            if a.success {
-                (ok + 1, refused)
-            } else {
-                (ok, refused + 1)
+        window.fold((0, 0, 0), |(new, replayed, refused), a| {
+            match (a.success, a.replayed) {
+                (true, false) => (new + 1, replayed, refused),
+                (true, true) => (new, replayed + 1, refused),
+                (false, _) => (new, replayed, refused + 1),
             }
         })
     }
@@ -660,11 +672,18 @@ async fn run_chaos(
             );
         }
     }
+    if let Some(took_over_at) = failover.as_ref().and_then(|f| f.took_over_at) {
+        let acknowledged = ledger.acknowledged.lock().unwrap();
+        assert!(
+            acknowledged.values().any(|at| *at > took_over_at),
+            "nothing was acknowledged after the failover"
+        );
+    }
     sink.healthy.store(true, Ordering::SeqCst);
     if let Some(failover) = failover {
-        let (acked, refused) = failover.answers_while_paused(&ledger);
+        let (acked, replayed, refused) = failover.answers_while_paused(&ledger);
         println!(
-            "chaos [{name}]: while the replica was paused, {acked} writes to the victim's partitions acknowledged, {refused} refused"
+            "chaos [{name}]: while the replica was paused, {acked} new writes to the victim's partitions acknowledged, {replayed} replays of earlier ones, {refused} refused"
         );
         // Through a process started once the cluster is whole again. (One that ran through
         // the failover can stay unready: see the report of issue 23.)
@@ -691,7 +710,7 @@ async fn run_chaos(
         );
         assert_eq!(
             acked, 0,
-            "a 2xx for a write no replica acknowledged (min_replicas_acked = 1)"
+            "a 2xx for a write no replica acknowledged (min_replicas_acked = 1, or a synchronous standby)"
         );
         assert!(
             refused > 0,
@@ -880,11 +899,11 @@ async fn chaos_postgres_kill_9() {
     run_chaos(&url, 2, StoreFault::CrashPostgres(server), &[], "postgres").await;
 }
 
-/// A primary with a synchronous standby, both in `store.url`: the standby is paused long
-/// enough for the primary to cancel, at `statement_timeout`, the waits of commits it cannot
-/// replicate; none of them, nor a retry of them, may get a 2xx. Then the primary is SIGKILLed
-/// and the standby promoted: callbackd goes on on it, every acknowledged event is delivered,
-/// and every event acknowledged before the kill is a replay.
+/// A primary with a synchronous standby, both in `store.url`: the standby is paused for four
+/// store timeouts (and `statement_timeout`s), and no request, first or retry, may get a 2xx
+/// meanwhile. Then the primary is SIGKILLed and the standby promoted: callbackd goes on on it,
+/// every acknowledged event is delivered, and every event acknowledged before the kill is a
+/// replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_postgres_failover_to_a_synchronous_standby() {
     let primary = PostgresServer::start();
