@@ -406,6 +406,14 @@ impl Failover {
     }
 }
 
+/// Whether an event was acknowledged in the last `ms` milliseconds.
+fn acknowledged_within(ledger: &Ledger, ms: u64) -> bool {
+    let acknowledged = ledger.acknowledged.lock().unwrap();
+    acknowledged
+        .values()
+        .any(|at| at.elapsed() < Duration::from_millis(ms))
+}
+
 /// Every store partition: what a single PostgreSQL server holds.
 fn all_partitions() -> HashSet<u8> {
     (0..Partitions::DEFAULT.count())
@@ -501,6 +509,12 @@ impl StoreFault {
             },
             StoreFault::CrashPostgres(server) => {
                 if round.is_multiple_of(2) {
+                    // In the midst of acknowledgements, so a 2xx given before its commit was
+                    // flushed would be lost.
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while Instant::now() < deadline && !acknowledged_within(ledger, 20) {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
                     tokio::task::block_in_place(|| {
                         if round.is_multiple_of(4) {
                             server.kill9();
