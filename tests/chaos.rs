@@ -11,9 +11,22 @@
 //! `store.min_replicas_acked = 1` none of them may get a 2xx (with 0, several do), and every
 //! event acknowledged before the failover is still a replay after it.
 //!
+//! On PostgreSQL, two processes share one private server whose postmaster is stopped at once
+//! (`pg_ctl stop -m immediate`) or SIGKILLed with its backends every second round and started
+//! again: every event acknowledged before the last crash is a replay after it. The failover
+//! variant runs a primary with a synchronous standby, both in `store.url`
+//! (`target_session_attrs=read-write`): the standby is paused (SIGSTOP) for several store
+//! timeouts, then the primary is SIGKILLed and the standby resumed and promoted. Nothing may
+//! get a 2xx while the standby is paused (each commit waits for it, and neither callbackd's
+//! timeout nor the statement timeout makes it local), callbackd goes on on the promoted
+//! standby, and every event acknowledged before the kill is a replay there.
+//!
 //! CI runs a short version. A longer one: `CHAOS_SECS=300 cargo test --release --test chaos
 //! -- --nocapture` (figures in RELIABILITY.md).
 
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
 mod support;
 
 use std::collections::{HashMap, HashSet};
@@ -23,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use callbackd::store::Partitions;
 use callbackd::store::ids::partition_of;
+use postgres_support::PostgresServer;
 use serde_json::{Value, json};
 use support::process::Process;
 use support::redis::RedisServer;
@@ -164,6 +178,8 @@ struct Answer {
     sent: Instant,
     answered: Instant,
     success: bool,
+    /// A 2xx answered as a replay (`Idempotent-Replayed: true`) of a write made earlier.
+    replayed: bool,
 }
 
 #[derive(Default)]
@@ -234,11 +250,17 @@ async fn send_until_acknowledged(
         let sent = Instant::now();
         let answer = event_request(client, &base, n, sink_url).send().await;
         let success = answer.as_ref().is_ok_and(|r| r.status().is_success());
+        let replayed = answer.as_ref().is_ok_and(|r| {
+            r.headers()
+                .get("idempotent-replayed")
+                .is_some_and(|v| v == "true")
+        });
         ledger.answers.lock().unwrap().push(Answer {
             event: n,
             sent,
             answered: Instant::now(),
             success,
+            replayed,
         });
         match answer {
             Ok(r) if r.status().is_success() => {
@@ -324,6 +346,18 @@ enum StoreFault {
     /// the old master comes back as a replica. `store.url` names another node, so restarted
     /// processes still find the cluster.
     FailOverMaster { cluster: RedisCluster, victim: u16 },
+    /// Every second round the PostgreSQL server crashes, alternately by `pg_ctl stop -m
+    /// immediate` and by SIGKILL of the postmaster and its backends, and starts again: crash
+    /// recovery replays the WAL. (Both happen within CI's 12 s, even on a busy machine.)
+    CrashPostgres(PostgresServer),
+    /// In the second round the primary's synchronous standby is paused for at least `hold`
+    /// and until requests have been answered meanwhile; then the primary is SIGKILLed, the
+    /// standby resumed and promoted. `store.url` names both, primary first.
+    FailOverPostgres {
+        primary: PostgresServer,
+        standby: PostgresServer,
+        hold: Duration,
+    },
 }
 
 /// Requests for the victim's partitions answered while its replica was paused, before the
@@ -351,21 +385,67 @@ struct Failover {
 
 impl Failover {
     /// Requests for the killed master's partitions sent after its replica was paused and
-    /// answered before the kill: (2xx, refused).
-    fn answers_while_paused(&self, ledger: &Ledger) -> (usize, usize) {
+    /// answered before the kill: (2xx for a new write, 2xx replays, refused). A replay there is
+    /// of a write made before the pause, which the replica had (a retry of a request whose
+    /// answer was lost with a SIGKILLed process); the replay check after the failover finds
+    /// out if it did not.
+    fn answers_while_paused(&self, ledger: &Ledger) -> (usize, usize, usize) {
         let answers = ledger.answers.lock().unwrap();
         let window = answers.iter().filter(|a| {
             a.sent >= self.paused_at
                 && a.answered <= self.killed_at
                 && self.partitions.contains(&partition_of_event(a.event))
         });
-        window.fold((0, 0), |(ok, refused), a| {
-            if a.success {
-                (ok + 1, refused)
-            } else {
-                (ok, refused + 1)
+        window.fold((0, 0, 0), |(new, replayed, refused), a| {
+            match (a.success, a.replayed) {
+                (true, false) => (new + 1, replayed, refused),
+                (true, true) => (new, replayed + 1, refused),
+                (false, _) => (new, replayed, refused + 1),
             }
         })
+    }
+}
+
+/// Whether an event was acknowledged in the last `ms` milliseconds.
+fn acknowledged_within(ledger: &Ledger, ms: u64) -> bool {
+    let acknowledged = ledger.acknowledged.lock().unwrap();
+    acknowledged
+        .values()
+        .any(|at| at.elapsed() < Duration::from_millis(ms))
+}
+
+/// Every store partition: what a single PostgreSQL server holds.
+fn all_partitions() -> HashSet<u8> {
+    (0..Partitions::DEFAULT.count())
+        .filter_map(|p| u8::try_from(p).ok())
+        .collect()
+}
+
+/// Waits, at least `hold` after `paused_at`, until [`ANSWERED_WHILE_PAUSED`] requests for
+/// `partitions` sent since have been answered.
+async fn answered_while_paused(
+    ledger: &Ledger,
+    partitions: &HashSet<u8>,
+    paused_at: Instant,
+    hold: Duration,
+) {
+    let deadline = paused_at + hold + Duration::from_secs(60);
+    loop {
+        let answered = ledger
+            .answers
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|a| a.sent >= paused_at && partitions.contains(&partition_of_event(a.event)))
+            .count();
+        if answered >= ANSWERED_WHILE_PAUSED && paused_at.elapsed() >= hold {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no request for the victim's partitions was answered while its replica was paused"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -379,7 +459,14 @@ fn partitions_on(cluster: &RedisCluster, port: u16) -> HashSet<u8> {
 
 impl StoreFault {
     /// Applies this round's fault, noting in `failover` when it kills a master.
-    async fn strike(&mut self, round: usize, failover: &mut Option<Failover>, ledger: &Ledger) {
+    /// A crash of the store it restarts is noted in `crashes`.
+    async fn strike(
+        &mut self,
+        round: usize,
+        failover: &mut Option<Failover>,
+        crashes: &mut Vec<Instant>,
+        ledger: &Ledger,
+    ) {
         match self {
             StoreFault::None => {}
             StoreFault::RestartRedis(redis) => {
@@ -400,27 +487,7 @@ impl StoreFault {
                     // Until the senders' requests for those partitions have come back: each
                     // waits for a replica's acknowledgement up to four fifths of the store
                     // timeout, however long that takes on this machine.
-                    let deadline = paused_at + Duration::from_secs(60);
-                    loop {
-                        let answered = ledger
-                            .answers
-                            .lock()
-                            .unwrap()
-                            .iter()
-                            .filter(|a| {
-                                a.sent >= paused_at
-                                    && partitions.contains(&partition_of_event(a.event))
-                            })
-                            .count();
-                        if answered >= ANSWERED_WHILE_PAUSED {
-                            break;
-                        }
-                        assert!(
-                            Instant::now() < deadline,
-                            "no request for the victim's partitions was answered while its replica was paused"
-                        );
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+                    answered_while_paused(ledger, &partitions, paused_at, Duration::ZERO).await;
                     cluster.kill(*victim);
                     let killed_at = Instant::now();
                     let paused = cluster.nodes().iter().find(|n| n.port == replica);
@@ -440,6 +507,52 @@ impl StoreFault {
                 }
                 _ => {}
             },
+            StoreFault::CrashPostgres(server) => {
+                if round.is_multiple_of(2) {
+                    // In the midst of acknowledgements, so a 2xx given before its commit was
+                    // flushed would be lost.
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while Instant::now() < deadline && !acknowledged_within(ledger, 20) {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    tokio::task::block_in_place(|| {
+                        if round.is_multiple_of(4) {
+                            server.kill9();
+                        } else {
+                            server.stop_immediate();
+                        }
+                        crashes.push(Instant::now());
+                        std::thread::sleep(Duration::from_millis(300));
+                        server.start_again();
+                    });
+                }
+            }
+            StoreFault::FailOverPostgres {
+                primary,
+                standby,
+                hold,
+            } => {
+                if round == 2 && failover.is_none() {
+                    let partitions = all_partitions();
+                    standby.pause();
+                    let paused_at = Instant::now();
+                    answered_while_paused(ledger, &partitions, paused_at, *hold).await;
+                    let killed_at = tokio::task::block_in_place(|| {
+                        primary.kill9();
+                        let killed_at = Instant::now();
+                        standby.resume();
+                        standby.promote();
+                        killed_at
+                    });
+                    *failover = Some(Failover {
+                        partitions,
+                        paused_at,
+                        killed_at,
+                        took_over_at: Some(Instant::now()),
+                        rejoined: true,
+                    });
+                }
+            }
         }
     }
 
@@ -519,6 +632,7 @@ async fn run_chaos(
     let started = Instant::now();
     let mut round = 0;
     let mut failover = None;
+    let mut crashes = Vec::new();
     // When each round's callbackd kill happened: every round must acknowledge something.
     let mut kills = Vec::new();
     while started.elapsed() < chaos_duration() {
@@ -528,7 +642,9 @@ async fn run_chaos(
         let _ = procs[victim].child.kill();
         let _ = procs[victim].child.wait();
         kills.push(Instant::now());
-        fault.strike(round, &mut failover, &ledger).await;
+        fault
+            .strike(round, &mut failover, &mut crashes, &ledger)
+            .await;
         procs[victim] = restart();
         *urls[victim].lock().unwrap() = procs[victim].url.clone();
     }
@@ -570,18 +686,32 @@ async fn run_chaos(
             );
         }
     }
+    if let Some(took_over_at) = failover.as_ref().and_then(|f| f.took_over_at) {
+        let acknowledged = ledger.acknowledged.lock().unwrap();
+        assert!(
+            acknowledged.values().any(|at| *at > took_over_at),
+            "nothing was acknowledged after the failover"
+        );
+    }
     sink.healthy.store(true, Ordering::SeqCst);
     if let Some(failover) = failover {
-        let (acked, refused) = failover.answers_while_paused(&ledger);
+        let (acked, replayed, refused) = failover.answers_while_paused(&ledger);
         println!(
-            "chaos [{name}]: while the replica was paused, {acked} writes to the victim's partitions acknowledged, {refused} refused"
+            "chaos [{name}]: while the replica was paused, {acked} new writes to the victim's partitions acknowledged, {replayed} replays of earlier ones, {refused} refused"
         );
         // Through a process started once the cluster is whole again. (One that ran through
         // the failover can stay unready: see the report of issue 23.)
         procs.push(start());
         let bases = vec![procs[procs.len() - 1].url.clone()];
-        let replays =
-            replays_of_events_before(&client, &bases, &ledger, &failover, &sink.url).await;
+        let replays = replays_of_events_before(
+            &client,
+            &bases,
+            &ledger,
+            failover.killed_at,
+            &failover.partitions,
+            &sink.url,
+        )
+        .await;
         println!(
             "chaos [{name}]: of the events acknowledged before the failover, {} on the killed master's partitions; {} replayed with their ids, {} lost",
             replays.on_victim,
@@ -594,7 +724,7 @@ async fn run_chaos(
         );
         assert_eq!(
             acked, 0,
-            "a 2xx for a write no replica acknowledged (min_replicas_acked = 1)"
+            "a 2xx for a write no replica acknowledged (min_replicas_acked = 1, or a synchronous standby)"
         );
         assert!(
             refused > 0,
@@ -604,6 +734,33 @@ async fn run_chaos(
             replays.lost,
             Vec::<usize>::new(),
             "acknowledged before the failover, not replays after it"
+        );
+    }
+    if let Some(crashed_at) = crashes.last() {
+        let bases: Vec<String> = procs.iter().map(|p| p.url.clone()).collect();
+        let replays = replays_of_events_before(
+            &client,
+            &bases,
+            &ledger,
+            *crashed_at,
+            &all_partitions(),
+            &sink.url,
+        )
+        .await;
+        println!(
+            "chaos [{name}]: {} store crashes; of the events acknowledged before the last, {} replayed with their ids, {} lost",
+            crashes.len(),
+            replays.replayed,
+            replays.lost.len()
+        );
+        assert!(
+            replays.replayed > 0,
+            "events were acknowledged before the last crash"
+        );
+        assert_eq!(
+            replays.lost,
+            Vec::<usize>::new(),
+            "acknowledged before a crash of the store, not replays after it"
         );
     }
     let drain_deadline = Instant::now() + Duration::from_secs(90);
@@ -634,11 +791,11 @@ struct Replays {
     replayed: usize,
     /// Events whose repeat was accepted as new: the store no longer held them.
     lost: Vec<usize>,
-    /// Of all checked, those in the killed master's partitions.
+    /// Of all checked, those in the partitions the fault struck.
     on_victim: usize,
 }
 
-/// Sends every event acknowledged before the kill once more, until it gets a 2xx, round-robin
+/// Sends every event acknowledged before `before` (a kill or a crash) once more, until it gets a 2xx, round-robin
 /// over the processes as the senders do (a process's cluster connections may still be
 /// settling after the failover): each must be answered as a replay, with the id of its first
 /// answer, or it was lost.
@@ -646,18 +803,15 @@ async fn replays_of_events_before(
     client: &reqwest::Client,
     bases: &[String],
     ledger: &Ledger,
-    failover: &Failover,
+    before: Instant,
+    partitions: &HashSet<u8>,
     sink_url: &str,
 ) -> Replays {
     let earlier: Vec<(usize, String)> = {
         let acknowledged = ledger.acknowledged.lock().unwrap();
         let ids = ledger.ids.lock().unwrap();
         ids.iter()
-            .filter(|(_, id)| {
-                acknowledged
-                    .get(*id)
-                    .is_some_and(|at| *at < failover.killed_at)
-            })
+            .filter(|(_, id)| acknowledged.get(*id).is_some_and(|at| *at < before))
             .map(|(n, id)| (*n, id.clone()))
             .collect()
     };
@@ -684,7 +838,7 @@ async fn replays_of_events_before(
                 }
             }
         };
-        if failover.partitions.contains(&partition_of_event(*n)) {
+        if partitions.contains(&partition_of_event(*n)) {
             replays.on_victim += 1;
         }
         let replayed = r
@@ -746,4 +900,43 @@ async fn chaos_sqlite_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("chaos.db").display());
     run_chaos(&url, 1, StoreFault::None, &[], "sqlite").await;
+}
+
+/// Two processes on one PostgreSQL server, SIGKILLed in turn, while the server crashes every
+/// second round (`pg_ctl stop -m immediate`, or SIGKILL of the postmaster and its backends)
+/// and restarts: every acknowledged event is delivered, and every event acknowledged before
+/// the last crash is a replay after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_postgres_kill_9() {
+    let server = PostgresServer::start();
+    let url = server.url();
+    run_chaos(&url, 2, StoreFault::CrashPostgres(server), &[], "postgres").await;
+}
+
+/// A primary with a synchronous standby, both in `store.url`: the standby is paused for four
+/// store timeouts (and `statement_timeout`s), and no request, first or retry, may get a 2xx
+/// meanwhile. Then the primary is SIGKILLed and the standby promoted: callbackd goes on on it,
+/// every acknowledged event is delivered, and every event acknowledged before the kill is a
+/// replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_postgres_failover_to_a_synchronous_standby() {
+    let primary = PostgresServer::start();
+    let standby = PostgresServer::standby_of(&primary);
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        primary.port, standby.port
+    );
+    // A short store timeout, so the pause outlasts several of them.
+    run_chaos(
+        &url,
+        2,
+        StoreFault::FailOverPostgres {
+            primary,
+            standby,
+            hold: Duration::from_secs(4),
+        },
+        &[("CALLBACKD__STORE__TIMEOUT_MS", "1000")],
+        "postgres failover",
+    )
+    .await;
 }

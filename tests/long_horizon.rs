@@ -1,8 +1,11 @@
-//! Month two and beyond, on a virtual clock, over HTTP, on both stores: a payment's life over
+//! Month two and beyond, on a virtual clock, over HTTP, on every store: a payment's life over
 //! 90 days with provider callbacks, failing receivers, retries and sweeps. Every transition
 //! must be decided correctly long after its dedupe claims are gone, and at the end the store
 //! must hold nothing but the payment's state.
 
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
 mod support;
 
 use callbackd::clock::Millis;
@@ -11,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use callbackd::clock::{Clock, ManualClock};
 use callbackd::dispatch::Dispatcher;
+use postgres_support::PostgresServer;
 use serde_json::json;
 use support::redis::RedisServer;
 use support::sink::{Reply, Sink};
@@ -18,10 +22,12 @@ use support::{TestServer, handoff, virtual_server};
 
 const DAY_MS: Millis = 86_400_000;
 
-/// What the store holds: Redis keys, or SQLite rows of every table.
+/// What the store holds: Redis keys, SQLite rows of every table, or PostgreSQL rows of every
+/// table and partition of database `db`.
 enum Footprint {
     Redis(RedisServer),
     Sqlite(std::path::PathBuf),
+    Postgres { server: PostgresServer, db: String },
 }
 
 impl Footprint {
@@ -29,6 +35,7 @@ impl Footprint {
         match self {
             Footprint::Redis(redis) => redis.cli(&["DBSIZE"]).parse().expect("DBSIZE"),
             Footprint::Sqlite(path) => self.rows(path).values().sum(),
+            Footprint::Postgres { server, db } => pg_rows(server, db).values().sum(),
         }
     }
 
@@ -89,8 +96,62 @@ impl Footprint {
                     [("partitions".to_string(), 1), ("payments".to_string(), 1)]
                 );
             }
+            // The layout's version, the partition count, the sweep horizon and the payment's
+            // row. Finished messages go by the horizon at once, their day partitions whole
+            // once it has passed the day's last millisecond: a day may still hold rows, but
+            // only rows at or below the horizon, which no read sees.
+            Footprint::Postgres { server, db } => {
+                let left: Vec<(String, u64)> = pg_rows(server, db)
+                    .into_iter()
+                    .filter(|(table, n)| *n > 0 && !is_day_partition(table))
+                    .collect();
+                let expected = [
+                    "callbackd_layout",
+                    "callbackd_partitions",
+                    "payments",
+                    "sweep_horizon",
+                ]
+                .map(|t| (t.to_string(), 1));
+                assert_eq!(left, expected);
+                let above_horizon = server.psql_db(
+                    db,
+                    "SELECT (SELECT count(*) FROM messages \
+                       WHERE ends_at > (SELECT swept_to FROM sweep_horizon)) \
+                     + (SELECT count(*) FROM history h JOIN messages m \
+                       ON m.id = h.message_id AND m.end_day = h.end_day \
+                       WHERE m.ends_at > (SELECT swept_to FROM sweep_horizon))",
+                );
+                assert_eq!(above_horizon, "0", "no message is left above the horizon");
+            }
         }
     }
+}
+
+/// A day partition of finished messages or their history (`messages_d<day>`,
+/// `history_d<day>`; days.rs).
+fn is_day_partition(table: &str) -> bool {
+    ["messages_d", "history_d"].iter().any(|prefix| {
+        table
+            .strip_prefix(prefix)
+            .is_some_and(|day| day.parse::<i32>().is_ok())
+    })
+}
+
+/// The rows of every table of `db` that holds rows (each partition on its own, the
+/// partitioned parents not at all).
+fn pg_rows(server: &PostgresServer, db: &str) -> std::collections::BTreeMap<String, u64> {
+    let tables = server.psql_db(
+        db,
+        "SELECT relname FROM pg_class WHERE relkind = 'r' \
+         AND relnamespace = 'public'::regnamespace ORDER BY relname",
+    );
+    tables
+        .lines()
+        .map(|t| {
+            let n = server.psql_db(db, &format!("SELECT count(*) FROM \"{t}\""));
+            (t.to_string(), n.parse().expect("a count"))
+        })
+        .collect()
 }
 
 struct World {
@@ -329,6 +390,22 @@ async fn ninety_days_on_sqlite() {
     ninety_days(
         &format!("sqlite://{}", path.display()),
         Footprint::Sqlite(path),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ninety_days_on_postgres() {
+    let server = PostgresServer::start();
+    let db = "horizon";
+    server.create_database(db);
+    let url = server.url_db(db);
+    ninety_days(
+        &url,
+        Footprint::Postgres {
+            server,
+            db: db.to_string(),
+        },
     )
     .await;
 }

@@ -1,7 +1,7 @@
 //! callbackd on `store.url = "postgres://…"`: the engine as the app opens it (the durability
 //! check, the layout made on first start), a callback and a payment's hand-offs delivered
-//! in order, a replay answered byte for byte, and a bad URL refused by the config without its
-//! password.
+//! in order, a replay answered byte for byte, a bad URL refused by the config without its
+//! password, and what a synchronous standby that stops answering means for an acknowledgement.
 
 #[path = "support/postgres.rs"]
 #[allow(dead_code)]
@@ -113,4 +113,82 @@ url = "postgres://cb:pg-s3cret@db.example:5432/cb?sslmode=sometimes"
     assert!(message.contains("store.url"), "{message}");
     assert!(message.contains("cb:***@db.example"), "{message}");
     assert!(!message.contains("pg-s3cret"), "{message}");
+}
+
+/// A primary whose synchronous standby stops answering (paused): a callback's commit waits
+/// for it, callbackd answers 503 at its store timeout, and our `statement_timeout` (the same
+/// timeout) does not end the wait, since PostgreSQL disables it before committing: the
+/// retry waits behind the first commit's locks and gets 503 too, long after several
+/// timeouts. Only a cancel of the wait (an operator's `pg_cancel_backend`) makes the commit
+/// local and visible; the retry is then a replay, a 2xx for a commit the standby lacks
+/// (RELIABILITY.md, "PostgreSQL: what a synchronous standby covers").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_synchronous_standby_does_not_acknowledge_waits_until_cancelled() {
+    let primary = PostgresServer::start();
+    let standby = PostgresServer::standby_of(&primary);
+    let server = TestServer::start(config(&primary.url(), None)).await;
+    let post = || async {
+        server
+            .client
+            .post(format!("{}/v1/callbacks/open", server.url))
+            .body(r#"{"id":"tx-sync","status":"PAID"}"#)
+            .send()
+            .await
+            .expect("an answer")
+    };
+    let before = post().await;
+    assert_eq!(before.status(), 200, "accepted while the standby answers");
+    let waiting = || {
+        primary.psql(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event = 'SyncRep' AND application_name = 'callbackd'",
+        )
+    };
+
+    standby.pause();
+    let body = r#"{"id":"tx-sync-2","status":"PAID"}"#;
+    let post_new = || async {
+        server
+            .client
+            .post(format!("{}/v1/callbacks/open", server.url))
+            .body(body)
+            .send()
+            .await
+            .expect("an answer")
+    };
+    let first = post_new().await;
+    assert_eq!(first.status(), 503, "not acknowledged without the standby");
+    for _ in 0..3 {
+        let retry = post_new().await;
+        assert_eq!(retry.status(), 503, "a retry waits behind the first commit");
+    }
+    // Four store timeouts later, the first commit still waits: the statement timeout did not
+    // end it.
+    assert_eq!(
+        waiting(),
+        "1",
+        "the first commit still waits for the standby"
+    );
+
+    let cancelled = primary.psql(
+        "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM \
+         (SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep' \
+          AND application_name = 'callbackd' AND pid <> pg_backend_pid() OFFSET 0) waiting",
+    );
+    assert_eq!(cancelled, "1");
+    let replay = eventually(10, "the cancelled commit answered as a replay", || async {
+        let r = post_new().await;
+        (r.status() == 200).then_some(r)
+    })
+    .await;
+    assert_eq!(
+        replay
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "locally committed, not replicated, and acknowledged on the retry"
+    );
+    standby.resume();
+    server.stop().await;
 }

@@ -1,12 +1,16 @@
-//! Real `callbackd serve` processes sharing one Redis (or one Redis Cluster): crashes,
-//! scale-out, graceful shutdown.
+//! Real `callbackd serve` processes sharing one Redis (or one Redis Cluster, or one
+//! PostgreSQL database): crashes, scale-out, graceful shutdown.
 
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
 mod support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use postgres_support::PostgresServer;
 use serde_json::{Value, json};
 use support::process::Process;
 use support::redis::RedisServer;
@@ -15,14 +19,24 @@ use support::sink::{Gate, Reply, Sink};
 use support::{CONNECTOR_TOKEN, eventually};
 
 async fn hand_off(client: &reqwest::Client, base: &str, payment: &str, target: &str) -> Value {
+    hand_off_status(client, base, payment, "approved", target).await
+}
+
+async fn hand_off_status(
+    client: &reqwest::Client,
+    base: &str,
+    payment: &str,
+    status: &str,
+    target: &str,
+) -> Value {
     let r = client
         .post(format!("{base}/v1/notifications"))
         .bearer_auth(CONNECTOR_TOKEN)
-        .json(&json!({"paymentId": payment, "status": "approved", "callbackUrl": target}))
+        .json(&json!({"paymentId": payment, "status": status, "callbackUrl": target}))
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 202);
+    assert_eq!(r.status(), 202, "{payment} {status}");
     r.json().await.unwrap()
 }
 
@@ -148,35 +162,108 @@ async fn three_processes_deliver_nine_thousand_messages_exactly_once() {
     assert_eq!(sink.count(), total);
 }
 
+/// A sink that answers 503 to the first request of each message id and 204 to the others,
+/// so each message goes through a retry, and a payment's next hand-off waits behind it.
+/// Returns the sink and every request, in arrival order: (message id, body, answered 204).
+async fn failing_each_first_sink() -> (Sink, Arc<Mutex<Vec<(String, Value, bool)>>>) {
+    let log: Arc<Mutex<Vec<(String, Value, bool)>>> = Arc::default();
+    let sink = Sink::start({
+        let log = log.clone();
+        move |req, _| {
+            let id = req.header("x-callbackd-message-id").unwrap_or_default();
+            let mut log = log.lock().unwrap();
+            let again = log.iter().any(|(seen, _, _)| *seen == id);
+            log.push((id, req.json(), again));
+            Reply::status(if again { 204 } else { 503 })
+        }
+    })
+    .await;
+    (sink, log)
+}
+
+/// Two processes, one on each of `store_urls`, take the hand-offs of 300 payments: each
+/// payment's `statuses` back to back, each through the other process than the one before, so
+/// a payment's queue is written by both. The receiver fails each message's first attempt:
+/// each hand-off is delivered exactly once after exactly one retry, and each payment's in
+/// the order it was handed off, the next one waiting behind the retry of the one before.
+async fn two_processes_deliver_hand_offs_exactly_once_in_order(
+    store_urls: [&str; 2],
+    env: &[(&str, &str)],
+    statuses: &[&str],
+) {
+    let (sink, log) = failing_each_first_sink().await;
+    let processes: Vec<Process> = store_urls
+        .iter()
+        .map(|url| Process::start_with_env(url, "", env))
+        .collect();
+    let client = support::client();
+    let payments = 300;
+    let total = payments * statuses.len();
+    let target = format!("{}/cb", sink.url);
+    for i in 0..payments {
+        for (step, status) in statuses.iter().enumerate() {
+            let base = &processes[(i + step) % 2].url;
+            hand_off_status(&client, base, &format!("pay-{i}"), status, &target).await;
+        }
+    }
+    let delivered = || log.lock().unwrap().iter().filter(|(_, _, ok)| *ok).count();
+    eventually(90, "every hand-off delivered", || async {
+        (delivered() >= total).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let log = log.lock().unwrap();
+    let mut successes: HashMap<&str, usize> = HashMap::new();
+    let mut order: HashMap<String, Vec<String>> = HashMap::new();
+    for (id, body, _) in log.iter().filter(|(_, _, ok)| *ok) {
+        *successes.entry(id).or_default() += 1;
+        order
+            .entry(body["paymentId"].as_str().unwrap_or_default().to_string())
+            .or_default()
+            .push(body["status"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(successes.len(), total);
+    assert!(
+        successes.values().all(|n| *n == 1),
+        "without crashes, exactly once"
+    );
+    assert_eq!(
+        log.len(),
+        2 * total,
+        "one failed attempt and one delivery each, nothing more"
+    );
+    assert_eq!(order.len(), payments);
+    for (payment, got) in &order {
+        assert_eq!(got, statuses, "{payment}: in the order handed off");
+    }
+}
+
 /// Two processes given different nodes of one cluster, each write acknowledged by its master's
 /// replica: hand-offs spread over every master are each delivered once.
 #[tokio::test]
 async fn two_processes_on_a_cluster_deliver_three_hundred_hand_offs_exactly_once() {
     let cluster = RedisCluster::start();
-    let (sink, seen) = counting_sink().await;
-    let acked = [("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "1")];
-    let processes: Vec<Process> = cluster.nodes()[..2]
-        .iter()
-        .map(|node| Process::start_with_env(&node.url(), "", &acked))
-        .collect();
-    let client = support::client();
-    let total = 300;
-    let target = format!("{}/cb", sink.url);
-    for i in 0..total {
-        hand_off(&client, &processes[i % 2].url, &format!("pay-{i}"), &target).await;
-    }
-    eventually(60, "every hand-off delivered", || async {
-        (seen.lock().unwrap().len() == total).then_some(())
-    })
+    let urls = [cluster.nodes()[0].url(), cluster.nodes()[1].url()];
+    two_processes_deliver_hand_offs_exactly_once_in_order(
+        [&urls[0], &urls[1]],
+        &[("CALLBACKD__STORE__MIN_REPLICAS_ACKED", "1")],
+        &["approved"],
+    )
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let seen = seen.lock().unwrap();
-    assert_eq!(seen.len(), total);
-    assert!(
-        seen.values().all(|n| *n == 1),
-        "without crashes, exactly once"
-    );
-    assert_eq!(sink.count(), total);
+}
+
+/// Two processes on one PostgreSQL database share its queue: 300 payments approved, then
+/// settled, 600 hand-offs, each delivered once after one retry, and each payment's in order.
+#[tokio::test]
+async fn two_processes_on_postgres_deliver_two_times_three_hundred_hand_offs_exactly_once() {
+    let server = PostgresServer::start();
+    let url = server.url();
+    two_processes_deliver_hand_offs_exactly_once_in_order(
+        [&url, &url],
+        &[],
+        &["approved", "settled"],
+    )
+    .await;
 }
 
 /// SIGTERM while a delivery is held open by the receiver: new connections are refused,

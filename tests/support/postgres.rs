@@ -295,6 +295,40 @@ impl PostgresServer {
         .unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// SIGSTOP to the postmaster and every process it started: the server neither answers
+    /// nor closes a connection, as a machine that hangs. A standby paused so stops
+    /// acknowledging its primary's WAL. [`PostgresServer::resume`] undoes it; a server is
+    /// resumed before it is dropped.
+    pub fn pause(&self) {
+        self.signal_all("STOP");
+    }
+
+    /// SIGCONT to the postmaster and every process it started.
+    pub fn resume(&self) {
+        self.signal_all("CONT");
+    }
+
+    /// The postmaster first, so it starts no new backend meanwhile; a backend may have
+    /// exited since it was listed.
+    fn signal_all(&self, signal: &str) {
+        let postmaster = self.pid();
+        let send = |pid: u32| {
+            Command::new("kill")
+                .arg(format!("-{signal}"))
+                .arg(pid.to_string())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        assert!(
+            send(postmaster),
+            "kill -{signal} {postmaster} (port {})",
+            self.port
+        );
+        for pid in children_of(postmaster) {
+            send(pid);
+        }
+    }
+
     /// `pg_ctl stop -m immediate`: the postmaster tells every backend to quit at once, with no
     /// checkpoint, so the next start runs crash recovery, as after [`PostgresServer::kill9`].
     pub fn stop_immediate(&mut self) {
