@@ -36,6 +36,11 @@ use hosts::{Admission, HOST_WAIT, Hosts, Slot};
 /// process wakes it at once; this only bounds the delay for work accepted by other processes
 /// sharing the store, and for retries coming due.
 const IDLE_POLL: Duration = Duration::from_millis(100);
+/// The same, on a store whose work signal ([`Store::work_signal`]) wakes the worker for work
+/// other processes accept: the poll then only finds retries coming due and leases run out,
+/// which are seconds apart anyway, so an idle worker costs the store a claim every 2 s
+/// instead of ten a second (BENCHMARKS.md, "PostgreSQL").
+const SIGNALLED_IDLE_POLL: Duration = Duration::from_secs(2);
 /// Most messages leased in one claim.
 const CLAIM_BATCH: usize = 256;
 
@@ -229,17 +234,34 @@ impl Dispatcher {
     /// the leases of unfinished ones back, so another process can take them at once.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken, grace: Duration) {
         let mut tasks = JoinSet::new();
+        let mut signal = self.store.work_signal();
         while !shutdown.is_cancelled() {
             let claimed = self.claim_and_spawn(&mut tasks).await;
             while tasks.try_join_next().is_some() {}
             if claimed > 0 && self.permits.available_permits() > 0 {
                 continue;
             }
+            let poll = if signal.is_some() {
+                SIGNALLED_IDLE_POLL
+            } else {
+                IDLE_POLL
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(IDLE_POLL) => {}
+                _ = tokio::time::sleep(poll) => {}
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                changed = async {
+                    match signal.as_mut() {
+                        Some(s) => s.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if changed.is_err() {
+                        // The engine stopped signalling: poll often again.
+                        signal = None;
+                    }
+                }
             }
         }
         let drained =
