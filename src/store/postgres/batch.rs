@@ -8,7 +8,7 @@
 //!   runs at once, in a transaction of its own, as it would without batching; under load,
 //!   what queued while the previous batches were committing goes in the next.
 //! - **A few workers.** A batch runs its statements one after the other on one connection;
-//!   [`WORKERS`] batches run side by side on the pool, so one batch waiting for a lock (a key
+//!   [`ACCEPT_WORKERS`] batches run side by side on the pool, so one batch waiting for a lock (a key
 //!   another process holds) does not hold up every accept. Their locks are taken in one order
 //!   (`locks.rs`), so batches never deadlock each other.
 //! - **Durable before any answer.** A caller hears its outcome only once the batch committed;
@@ -37,7 +37,7 @@ use crate::store::{AcceptOutcome, AcceptRequest, StoreError};
 /// within a store timeout.
 const MAX_BATCH: usize = 64;
 /// Batches that may run at once, each on its own pooled connection.
-const WORKERS: usize = 4;
+pub const ACCEPT_WORKERS: usize = 4;
 /// Accepts waiting for a worker; past it callers wait for room (backpressure).
 const QUEUE_CAPACITY: usize = 1024;
 
@@ -61,7 +61,7 @@ impl Batcher {
         let jobs = Arc::new(Mutex::new(jobs));
         let commits = Arc::new(AtomicU64::new(0));
         let timeout = db.timeout();
-        for _ in 0..WORKERS {
+        for _ in 0..ACCEPT_WORKERS {
             tokio::spawn(work(
                 Arc::clone(&jobs),
                 Arc::clone(&db),

@@ -54,6 +54,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::FutureExt;
 
+pub use batch::ACCEPT_WORKERS;
 pub use connection::{ClientCertificate, PostgresTls, check_url, redacted_url};
 pub use durability::{DurabilitySettings, Setting, judge};
 pub use migrate::LAYOUT_VERSION;
