@@ -447,3 +447,61 @@ async fn a_batch_that_fails_fails_every_caller_and_records_nothing() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_two_processes_sharing_keys_in_opposite_orders_never_deadlock() {
+    let url = PostgresServer::shared().fresh_database();
+    let stores = [
+        Arc::new(migrated(&url, &PostgresOptions::default()).await),
+        Arc::new(migrated(&url, &PostgresOptions::default()).await),
+    ];
+    for (n, store) in stores.iter().enumerate() {
+        store
+            .accept(
+                notification_request(&format!("warm-{n}"), "k-warm", now()),
+                now(),
+            )
+            .await
+            .expect("accepts");
+    }
+    let before: u64 = stores.iter().map(|s| s.accept_commits()).sum();
+    const N: usize = 32;
+    const ROUNDS: usize = 3;
+    for round in 0..ROUNDS {
+        // Each process's burst takes the same ordering keys' locks, one in the opposite order
+        // of the other.
+        let mut calls = Vec::new();
+        for i in 0..N {
+            calls.push(spawn_accept(
+                &stores[0],
+                notification_request(&format!("a-{round}-{i}"), &format!("k-{i}"), now()),
+            ));
+            calls.push(spawn_accept(
+                &stores[1],
+                notification_request(
+                    &format!("b-{round}-{i}"),
+                    &format!("k-{}", N - 1 - i),
+                    now(),
+                ),
+            ));
+        }
+        let started = Instant::now();
+        for call in calls {
+            assert_eq!(
+                call.await.expect("joins").expect("accepts"),
+                AcceptOutcome::Accepted
+            );
+        }
+        // PostgreSQL breaks a deadlock after `deadlock_timeout` (1 s) by failing one side.
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    let commits = stores.iter().map(|s| s.accept_commits()).sum::<u64>() - before;
+    assert!(
+        commits < (2 * N * ROUNDS) as u64,
+        "batches formed: {commits} commits"
+    );
+}
