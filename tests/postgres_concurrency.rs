@@ -505,3 +505,36 @@ async fn batches_of_two_processes_sharing_keys_in_opposite_orders_never_deadlock
         "batches formed: {commits} commits"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_this_process_scheduled_is_made_on_time_despite_the_slow_poll() {
+    let db = PostgresServer::shared().fresh_database();
+    // The first attempt fails; the retry is due 100 ms later (`initial_backoff_ms`).
+    let sink =
+        Sink::start(|_, n| support::sink::Reply::status(if n == 0 { 500 } else { 204 })).await;
+    let forward = format!("{}/forward", sink.url);
+    let server = TestServer::start(config(&db, Some(&forward))).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let answer = server
+        .post_callback(
+            "payzu",
+            r#"{"id":"tx-retry","status":"PAID","amount":1}"#,
+            None,
+        )
+        .await;
+    assert_eq!(answer.status(), 200);
+    eventually(10, "the first attempt", || async {
+        (sink.count() >= 1).then_some(())
+    })
+    .await;
+    let failed = Instant::now();
+    eventually(10, "the retry", || async {
+        (sink.count() >= 2).then_some(())
+    })
+    .await;
+    let took = failed.elapsed();
+    assert!(
+        took < Duration::from_millis(1200),
+        "a retry due 100 ms after the failure was made {took:?} after it (the idle poll is 2 s)"
+    );
+}
