@@ -538,3 +538,44 @@ async fn a_retry_this_process_scheduled_is_made_on_time_despite_the_slow_poll() 
         "a retry due 100 ms after the failure was made {took:?} after it (the idle poll is 2 s)"
     );
 }
+
+/// The figure BENCHMARKS.md's "PostgreSQL" section quotes: accepts per second with 64
+/// callers at once, on a server that flushes every commit (`fsync = on`), and the commits
+/// they took. A measurement, not a check: `cargo test --test postgres_concurrency -- --ignored
+/// --nocapture accepts_per_second`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn accepts_per_second() {
+    const CALLERS: usize = 64;
+    const PER_CALLER: usize = 40;
+    let url = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    store
+        .accept(notification_request("warm-up", "k-warm", now()), now())
+        .await
+        .expect("accepts");
+    let before = store.accept_commits();
+    let started = Instant::now();
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|c| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                for n in 0..PER_CALLER {
+                    let req =
+                        notification_request(&format!("m-{c}-{n}"), &format!("k-{c}-{n}"), now());
+                    store.accept(req, now()).await.expect("accepts");
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.expect("joins");
+    }
+    let took = started.elapsed();
+    let accepts = CALLERS * PER_CALLER;
+    eprintln!(
+        "{accepts} accepts from {CALLERS} callers in {took:?}: {:.0}/s, {} commits",
+        accepts as f64 / took.as_secs_f64(),
+        store.accept_commits() - before
+    );
+}
