@@ -546,10 +546,22 @@ async fn a_retry_this_process_scheduled_is_made_on_time_despite_the_slow_poll() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn accepts_per_second() {
+    measure_accepts(&PostgresServer::shared().fresh_database(), "no standby").await;
+}
+
+/// The same with a synchronous standby: each commit then waits for the standby's flush too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn accepts_per_second_with_a_synchronous_standby() {
+    let primary = PostgresServer::start();
+    let _standby = PostgresServer::standby_of(&primary);
+    measure_accepts(&primary.fresh_database(), "a synchronous standby").await;
+}
+
+async fn measure_accepts(url: &str, setup: &str) {
     const CALLERS: usize = 64;
     const PER_CALLER: usize = 40;
-    let url = PostgresServer::shared().fresh_database();
-    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    let store = Arc::new(migrated(url, &PostgresOptions::default()).await);
     store
         .accept(notification_request("warm-up", "k-warm", now()), now())
         .await
@@ -574,7 +586,7 @@ async fn accepts_per_second() {
     let took = started.elapsed();
     let accepts = CALLERS * PER_CALLER;
     eprintln!(
-        "{accepts} accepts from {CALLERS} callers in {took:?}: {:.0}/s, {} commits",
+        "{setup}: {accepts} accepts from {CALLERS} callers in {took:?}: {:.0}/s, {} commits",
         accepts as f64 / took.as_secs_f64(),
         store.accept_commits() - before
     );

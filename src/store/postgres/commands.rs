@@ -422,6 +422,12 @@ pub(super) async fn resend(
     let (outcome, effect) = lifecycle::resend(snapshot.as_ref(), mark, fresh_deadline, now);
     if let (Some(row), Some(effect)) = (&row, effect) {
         apply(&tx, days, id, row, effect).await?;
+        // A resend brings a delivery forward, usually to now: other processes' dispatchers
+        // are woken on commit (a requeue's queue move already notified; a second notification
+        // of one transaction is folded into the first).
+        tx.execute(&format!("SELECT pg_notify('{CHANNEL}', '')"), &[])
+            .await
+            .db()?;
         tx.commit().await.db()?;
     }
     Ok(outcome)
