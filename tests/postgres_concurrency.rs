@@ -485,19 +485,14 @@ async fn batches_of_two_processes_sharing_keys_in_opposite_orders_never_deadlock
                 ),
             ));
         }
-        let started = Instant::now();
+        // PostgreSQL breaks a deadlock after `deadlock_timeout` by failing one side, which
+        // this accept's caller would hear (`40P01`).
         for call in calls {
             assert_eq!(
                 call.await.expect("joins").expect("accepts"),
                 AcceptOutcome::Accepted
             );
         }
-        // PostgreSQL breaks a deadlock after `deadlock_timeout` (1 s) by failing one side.
-        assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "{:?}",
-            started.elapsed()
-        );
     }
     let commits = stores.iter().map(|s| s.accept_commits()).sum::<u64>() - before;
     assert!(
