@@ -11,6 +11,11 @@
 //!   contradict: leases are timed by the database's clock, claims take queue heads with
 //!   `FOR UPDATE SKIP LOCKED`, so N processes share the queue and each message is delivered
 //!   once.
+//! - **Woken, not polled.** A write that makes work due notifies on commit, and each dispatching
+//!   process listens on one connection of its own, so another process claims new work at once
+//!   and an idle dispatcher polls only every 2 s (`listen.rs`).
+//! - **One commit for many accepts.** Concurrent accepts share a transaction, each in a
+//!   savepoint, and are answered after its one commit (`batch.rs`), as on SQLite.
 //! - **Retention without bloat.** Finished messages and their history live in one partition
 //!   per day their retention ends, dropped whole once the sweep horizon passes it; a resend
 //!   moves a message back to the live partition first (`migrations/0001_layout.sql`).
