@@ -29,13 +29,18 @@ use crate::clock::{Clock, format_delay, format_iso};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
 use crate::store::lifecycle::policy::{self, AttemptResult, DeathReason, FailureClass, Verdict};
-use crate::store::{DeliveryAttempt, Lease, MessageKind, Store};
+use crate::store::{Completion, DeliveryAttempt, Lease, MessageKind, Store};
 use hosts::{Admission, HOST_WAIT, Hosts, Slot};
 
 /// How long an idle worker waits before polling the store again. Work accepted by this
 /// process wakes it at once; this only bounds the delay for work accepted by other processes
 /// sharing the store, and for retries coming due.
 const IDLE_POLL: Duration = Duration::from_millis(100);
+/// The same, on a store whose work signal ([`Store::work_signal`]) wakes the worker for work
+/// other processes accept: the poll then only finds retries coming due and leases run out,
+/// which are seconds apart anyway, so an idle worker costs the store a claim every 2 s
+/// instead of ten a second (BENCHMARKS.md, "PostgreSQL").
+const SIGNALLED_IDLE_POLL: Duration = Duration::from_secs(2);
 /// Most messages leased in one claim.
 const CLAIM_BATCH: usize = 256;
 
@@ -54,6 +59,11 @@ pub struct Dispatcher {
     /// Claims being delivered, so shutdown can hand their leases back.
     in_flight: Mutex<HashMap<String, Lease>>,
     wake: Arc<Notify>,
+    /// The earliest retry this process scheduled and has not claimed since: on a signalled
+    /// store, whose idle poll is slow, the worker wakes for it on time rather than up to a
+    /// poll late. Retries other processes schedule, and later ones of this process, are
+    /// found by the poll.
+    next_retry: Mutex<Option<Millis>>,
     /// Per-minute counts for the console, when the server shows them.
     stats: Option<Arc<DeliveryStats>>,
     /// Where dead letters are announced (`[alerts]`), if anywhere.
@@ -112,6 +122,7 @@ impl Dispatcher {
             sources: settings.sources.clone(),
             in_flight: Mutex::new(HashMap::new()),
             wake,
+            next_retry: Mutex::new(None),
             stats: None,
             budget: Mutex::new(
                 alerts
@@ -202,10 +213,37 @@ impl Dispatcher {
     /// Gives a lease back whose host has no slot for it, due again after `delay`.
     async fn send_back(&self, c: &Lease, delay: Duration) {
         let due = self.clock.now_ms() + delay.as_millis() as i64;
-        if let Err(e) = self.store.release(c, due).await {
-            tracing::warn!(error = %e, "cannot give back a lease for a busy host; it expires by itself");
+        match self.store.release(c, due).await {
+            Ok(_) => self.retry_at(due),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot give back a lease for a busy host; it expires by itself")
+            }
         }
         self.untrack(c);
+    }
+
+    /// Notes that a message this process gave back or rescheduled is due at `at`.
+    fn retry_at(&self, at: Millis) {
+        if let Ok(mut next) = self.next_retry.lock() {
+            *next = Some(next.map_or(at, |next| next.min(at)));
+        }
+    }
+
+    /// How long until the earliest retry this process scheduled; zero (once) when it is due,
+    /// since the claim just made may have run a moment before it.
+    fn until_next_retry(&self) -> Duration {
+        let Ok(mut next) = self.next_retry.lock() else {
+            return Duration::ZERO;
+        };
+        let Some(at) = *next else {
+            return Duration::MAX;
+        };
+        let now = self.clock.now_ms();
+        if at <= now {
+            *next = None;
+            return Duration::ZERO;
+        }
+        Duration::from_millis(u64::try_from(at - now).unwrap_or(u64::MAX))
     }
 
     /// Claims and delivers everything due at the clock's current time, and waits for it.
@@ -229,17 +267,34 @@ impl Dispatcher {
     /// the leases of unfinished ones back, so another process can take them at once.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken, grace: Duration) {
         let mut tasks = JoinSet::new();
+        let mut signal = self.store.work_signal();
         while !shutdown.is_cancelled() {
             let claimed = self.claim_and_spawn(&mut tasks).await;
             while tasks.try_join_next().is_some() {}
             if claimed > 0 && self.permits.available_permits() > 0 {
                 continue;
             }
+            let poll = if signal.is_some() {
+                self.until_next_retry().min(SIGNALLED_IDLE_POLL)
+            } else {
+                IDLE_POLL
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(IDLE_POLL) => {}
+                _ = tokio::time::sleep(poll) => {}
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                changed = async {
+                    match signal.as_mut() {
+                        Some(s) => s.changed().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if changed.is_err() {
+                        // The engine stopped signalling: poll often again.
+                        signal = None;
+                    }
+                }
             }
         }
         let drained =
@@ -450,6 +505,9 @@ impl Dispatcher {
             {
                 Ok(true) => {
                     tracing::debug!(status = attempt.status, "attempt recorded");
+                    if let Completion::Retry { next_at } = verdict.completion() {
+                        self.retry_at(next_at);
+                    }
                     return true;
                 }
                 Ok(false) => {

@@ -140,7 +140,20 @@ pub trait Store: Send + Sync + 'static {
     /// The store's partition count, fixed when it was first used: new message ids are
     /// generated for it ([`MessageId::generate`]).
     fn partitions(&self) -> Partitions;
+
+    /// A signal that changes when work may have become due through another process sharing
+    /// this store (PostgreSQL: `LISTEN`), so an idle dispatcher claims at once instead of at
+    /// its next poll, and can poll rarely. `None` (the default) when the engine has no such
+    /// signal: the dispatcher then polls often. Work this process accepts wakes it anyway
+    /// (`App::wake`). A signal is a hint: the dispatcher still polls, only less often.
+    fn work_signal(&self) -> Option<WorkSignal> {
+        None
+    }
 }
+
+/// See [`Store::work_signal`]: `changed()` returns when work may be due; an error means the
+/// engine stopped signalling (the dispatcher then falls back to polling often).
+pub type WorkSignal = tokio::sync::watch::Receiver<u64>;
 
 /// What tests read of a store that production never does: the [`Store`] trait keeps only what
 /// the service calls (a payment's status is read inside `accept`, in the same atomic step).

@@ -2,43 +2,92 @@
 //! and the new message, all or nothing (ARCHITECTURE.md §1.2), committed before the answer.
 //! It reads what `store::lifecycle::accept` reads, under the locks of the dedupe key, the seal
 //! and the payment (`locks.rs`: they may have no row to lock yet), and applies its decision.
+//!
+//! Accepts are group-committed (`batch.rs`): [`accept_batch`] runs several in one
+//! transaction, each in a savepoint of its own, so one that fails is undone alone, and one
+//! commit (one WAL flush, one wait for the synchronous standby) answers them all.
 
 use deadpool_postgres::{Client, Transaction};
 
 use super::commands::move_in_queue;
 use super::days::{Days, end_day};
 use super::error::{Db, column, corrupt};
-use super::locks::{Lock, lock};
+use super::locks::{Lock, lock_all};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
 use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
 
-/// Applies store::lifecycle::accept to what this transaction reads.
-pub(super) async fn accept(
+/// One accept of a batch: the request, the caller's time, the store's lifetimes.
+pub(super) struct Queued {
+    pub req: AcceptRequest,
+    pub now: Millis,
+    pub lifetimes: Lifetimes,
+}
+
+/// Runs `batch` in one transaction, each accept in a savepoint, and commits once. `Ok` holds
+/// each accept's own outcome, in order, all committed (an accept that failed was rolled back
+/// to its savepoint, alone); `Err` is a failure of the whole batch (beginning, locking,
+/// committing, or a connection lost part-way), after which none of it is recorded.
+pub(super) async fn accept_batch(
     client: &mut Client,
+    days: &Days,
+    batch: &[Queued],
+) -> Result<Vec<Result<AcceptOutcome, StoreError>>, StoreError> {
+    let mut tx = client.transaction().await.db()?;
+    // Every lock of the batch first, in one order (`locks.rs`): two batches, here or in other
+    // processes, then never wait for each other in a circle, whichever keys they share.
+    let mut locks: Vec<(Lock, &str)> = Vec::with_capacity(batch.len() * 4);
+    for q in batch {
+        let req = &q.req;
+        locks.push((Lock::DedupeKey, &req.dedupe.key));
+        if let Some(seal) = &req.seal {
+            locks.push((Lock::Seal, &seal.key));
+        }
+        if let Some(p) = &req.payment {
+            locks.push((Lock::Payment, &p.payment_id));
+        }
+        locks.push((Lock::OrderingKey, &req.message.ordering_key));
+    }
+    lock_all(&tx, &locks).await?;
+    let mut outcomes = Vec::with_capacity(batch.len());
+    for queued in batch {
+        let savepoint = tx.savepoint("accept").await.db()?;
+        match accept_locked(&savepoint, days, &queued.req, queued.now, queued.lifetimes).await {
+            Ok(outcome) => {
+                savepoint.commit().await.db()?;
+                outcomes.push(Ok(outcome));
+            }
+            Err(e) => {
+                // Undoes this accept alone; a rollback that fails means the transaction
+                // cannot go on, and the whole batch fails.
+                savepoint.rollback().await.db()?;
+                outcomes.push(Err(e));
+            }
+        }
+    }
+    tx.commit().await.db()?;
+    Ok(outcomes)
+}
+
+/// Applies store::lifecycle::accept to what `tx` reads; the caller holds the locks of
+/// `req`'s dedupe key, seal, payment and ordering key, and commits.
+async fn accept_locked(
+    tx: &Transaction<'_>,
     days: &Days,
     req: &AcceptRequest,
     now: Millis,
     lifetimes: Lifetimes,
 ) -> Result<AcceptOutcome, StoreError> {
-    let tx = client.transaction().await.db()?;
-    lock(&tx, Lock::DedupeKey, &req.dedupe.key).await?;
-    if let Some(seal) = &req.seal {
-        lock(&tx, Lock::Seal, &seal.key).await?;
-    }
-    if let Some(p) = &req.payment {
-        lock(&tx, Lock::Payment, &p.payment_id).await?;
-    }
-    let claim = read_claim(&tx, &req.dedupe.key, now).await?;
+    let claim = read_claim(tx, &req.dedupe.key, now).await?;
     let seal = match &req.seal {
-        Some(seal) => read_text(&tx, "SELECT response FROM seals", "key", &seal.key, now).await?,
+        Some(seal) => read_text(tx, "SELECT response FROM seals", "key", &seal.key, now).await?,
         None => None,
     };
     let payment = match &req.payment {
         Some(p) => {
             read_text(
-                &tx,
+                tx,
                 "SELECT status FROM payments",
                 "payment_id",
                 &p.payment_id,
@@ -65,8 +114,7 @@ pub(super) async fn accept(
             response,
             seal_until,
         } => {
-            store_seal(&tx, req, &response, seal_until).await?;
-            tx.commit().await.db()?;
+            store_seal(tx, req, &response, seal_until).await?;
             return Ok(AcceptOutcome::Replayed { response });
         }
         AcceptDecision::Record(plan) => plan,
@@ -103,7 +151,7 @@ pub(super) async fn accept(
     )
     .await
     .db()?;
-    store_seal(&tx, req, &claim.response, plan.seal_ends).await?;
+    store_seal(tx, req, &claim.response, plan.seal_ends).await?;
 
     let msg = &req.message;
     let start = &plan.message;
@@ -137,8 +185,7 @@ pub(super) async fn accept(
     )
     .await
     .db()?;
-    move_in_queue(&tx, &msg.ordering_key, msg.id.as_str(), plan.queue).await?;
-    tx.commit().await.db()?;
+    move_in_queue(tx, &msg.ordering_key, msg.id.as_str(), plan.queue).await?;
     Ok(AcceptOutcome::Accepted)
 }
 

@@ -12,6 +12,7 @@ use tokio_postgres::error::SqlState;
 
 use super::days::{Days, end_day};
 use super::error::{Db, column, corrupt, db_error};
+use super::listen::CHANNEL;
 use super::locks::{Lock, lock};
 use super::{DB_NOW_MS, NOT_GONE};
 use crate::clock::Millis;
@@ -229,11 +230,13 @@ pub(super) async fn move_in_queue(
                 .await
                 .db()?;
             tx.execute(&insert, &[&ordering_key, &id]).await.db()?;
+            // Made the head: due now, so other processes' dispatchers are woken on commit.
             let head = tx
-                .prepare_cached(
-                    "UPDATE messages SET due_at = $3 WHERE id = $2 AND end_day = 0 AND NOT EXISTS \
-                     (SELECT 1 FROM queue WHERE ordering_key = $1 AND id <> $2)",
-                )
+                .prepare_cached(&format!(
+                    "WITH head AS (UPDATE messages SET due_at = $3 WHERE id = $2 AND end_day = 0 \
+                     AND NOT EXISTS (SELECT 1 FROM queue WHERE ordering_key = $1 AND id <> $2) \
+                     RETURNING 1) SELECT pg_notify('{CHANNEL}', '') FROM head"
+                ))
                 .await
                 .db()?;
             tx.execute(&head, &[&ordering_key, &id, &due_if_head])
@@ -248,11 +251,13 @@ pub(super) async fn move_in_queue(
                 .await
                 .db()?;
             tx.execute(&delete, &[&id]).await.db()?;
+            // The next of the key, if any, is the head now: woken as a new message is.
             let next = tx
-                .prepare_cached(
-                    "UPDATE messages SET due_at = $2 WHERE end_day = 0 AND id = \
-                     (SELECT id FROM queue WHERE ordering_key = $1 ORDER BY position LIMIT 1)",
-                )
+                .prepare_cached(&format!(
+                    "WITH next AS (UPDATE messages SET due_at = $2 WHERE end_day = 0 AND id = \
+                     (SELECT id FROM queue WHERE ordering_key = $1 ORDER BY position LIMIT 1) \
+                     RETURNING 1) SELECT pg_notify('{CHANNEL}', '') FROM next"
+                ))
                 .await
                 .db()?;
             tx.execute(&next, &[&ordering_key, &next_due_at])
@@ -371,6 +376,14 @@ pub(super) async fn release(
         return Ok(false);
     };
     apply(&tx, days, id, &row, effect).await?;
+    // A lease given back due now (a process shutting down) is for another process to take
+    // at once; one given back for later (a busy host) wakes nobody.
+    tx.execute(
+        &format!("SELECT pg_notify('{CHANNEL}', '') WHERE $1 <= {DB_NOW_MS}"),
+        &[&next_at],
+    )
+    .await
+    .db()?;
     tx.commit().await.db()?;
     Ok(true)
 }
@@ -409,6 +422,12 @@ pub(super) async fn resend(
     let (outcome, effect) = lifecycle::resend(snapshot.as_ref(), mark, fresh_deadline, now);
     if let (Some(row), Some(effect)) = (&row, effect) {
         apply(&tx, days, id, row, effect).await?;
+        // A resend brings a delivery forward, usually to now: other processes' dispatchers
+        // are woken on commit (a requeue's queue move already notified; a second notification
+        // of one transaction is folded into the first).
+        tx.execute(&format!("SELECT pg_notify('{CHANNEL}', '')"), &[])
+            .await
+            .db()?;
         tx.commit().await.db()?;
     }
     Ok(outcome)

@@ -34,6 +34,7 @@ use tokio_postgres::config::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::error::{open_error, pool_error};
+use super::listen::ListenConfig;
 use super::url::{driver_url, redacted_url};
 use crate::store::StoreError;
 
@@ -141,6 +142,8 @@ pub(super) struct Database {
     timeout: Duration,
     /// The URL as messages show it ([`redacted_url`]).
     shown_url: String,
+    /// How the wake-up listener opens its own connection, as the pool opens its.
+    listen: ListenConfig,
 }
 
 impl Database {
@@ -155,9 +158,16 @@ impl Database {
     ) -> Result<Database, StoreError> {
         let shown_url = redacted_url(url);
         let config = driver_config(url, timeout)?;
+        let tls = tls_connector(tls)?;
+        let listen = ListenConfig {
+            config: config.clone(),
+            tls: tls.clone(),
+            timeout,
+            shown_url: shown_url.clone(),
+        };
         let manager = Manager::from_config(
             config,
-            tls_connector(tls)?,
+            tls,
             ManagerConfig {
                 // A closed connection is never handed out; a broken one is dropped by `call`.
                 recycling_method: RecyclingMethod::Fast,
@@ -175,6 +185,7 @@ impl Database {
             pool,
             timeout,
             shown_url,
+            listen,
         };
         match database.pool.get().await {
             Ok(_) => Ok(database),
@@ -192,6 +203,16 @@ impl Database {
     /// The URL as messages show it, password hidden.
     pub(super) fn shown_url(&self) -> &str {
         &self.shown_url
+    }
+
+    /// How to open a connection of its own, outside the pool (the wake-up listener).
+    pub(super) fn listen_config(&self) -> ListenConfig {
+        self.listen.clone()
+    }
+
+    /// The store timeout: the bound of every call.
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Runs `work` on a connection of the pool, within the store timeout (waiting for a

@@ -11,6 +11,11 @@
 //!   contradict: leases are timed by the database's clock, claims take queue heads with
 //!   `FOR UPDATE SKIP LOCKED`, so N processes share the queue and each message is delivered
 //!   once.
+//! - **Woken, not polled.** A write that makes work due notifies on commit, and each dispatching
+//!   process listens on one connection of its own, so another process claims new work at once
+//!   and an idle dispatcher polls only every 2 s (`listen.rs`).
+//! - **One commit for many accepts.** Concurrent accepts share a transaction, each in a
+//!   savepoint, and are answered after its one commit (`batch.rs`), as on SQLite.
 //! - **Retention without bloat.** Finished messages and their history live in one partition
 //!   per day their retention ends, dropped whole once the sweep horizon passes it; a resend
 //!   moves a message back to the live partition first (`migrations/0001_layout.sql`).
@@ -27,17 +32,21 @@
 //! | `durability.rs` | the start-up check of `fsync`, `synchronous_commit` and the synchronous standby |
 //! | `migrate.rs`, `migrations/` | the layout version and the SQL that builds each layout |
 //! | `accept.rs`, `commands.rs` | the lifecycle transactions: each reads, asks its `store::lifecycle` rule, applies the effect |
+//! | `batch.rs` | group commit: concurrent accepts share one transaction, each in a savepoint |
+//! | `listen.rs` | the wake-up across processes: `pg_notify` on commit, one `LISTEN` connection per dispatching store |
 //! | `locks.rs` | the advisory locks of keys that may have no row yet, and of ordering keys' queues |
 //! | `days.rs`, `sweep.rs` | the day partitions of finished messages; the sweep (bounded deletes, the horizon, whole days dropped) |
 //! | `reads.rs` | get, list, depth, payment status, oldest unfinished, ping |
 //! | `operations.rs` | resend request ids |
 
 mod accept;
+mod batch;
 mod commands;
 mod connection;
 mod days;
 mod durability;
 mod error;
+mod listen;
 mod locks;
 mod migrate;
 mod operations;
@@ -45,23 +54,27 @@ mod reads;
 mod sweep;
 pub mod url;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::FutureExt;
 
+pub use batch::ACCEPT_WORKERS;
 pub use connection::{ClientCertificate, PostgresTls};
 pub use durability::{DurabilitySettings, Setting, judge};
 pub use migrate::LAYOUT_VERSION;
 pub use url::{check_url, redacted_url};
 
+use self::batch::Batcher;
 use self::connection::Database;
 use self::days::{Days, end_day};
+use self::listen::Listener;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
     HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
     Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    WorkSignal,
 };
 use crate::clock::Millis;
 use crate::durability::Verdict;
@@ -89,6 +102,10 @@ pub struct PostgresOptions {
     pub partitions: Option<Partitions>,
     /// Connections kept open at most.
     pub pool_size: usize,
+    /// Whether a dispatching store listens for work other processes accept (`listen.rs`):
+    /// off where `LISTEN` does not work (a pooler in transaction mode), and the dispatcher
+    /// then polls often, as on the other engines.
+    pub listen: bool,
 }
 
 impl Default for PostgresOptions {
@@ -97,12 +114,19 @@ impl Default for PostgresOptions {
             tls: PostgresTls::default(),
             partitions: None,
             pool_size: DEFAULT_POOL_SIZE,
+            listen: true,
         }
     }
 }
 
 pub struct PostgresStore {
-    db: Database,
+    db: Arc<Database>,
+    /// Group commit of accepts (`batch.rs`).
+    batcher: Batcher,
+    /// `PostgresOptions::listen`.
+    listen: bool,
+    /// The wake-up listener, started when a dispatcher first asks for the signal.
+    listener: OnceLock<Listener>,
     /// The partition count the store records, or will record when it is migrated.
     partitions: Partitions,
     /// `store.partitions`, settled again under the migration's lock.
@@ -157,8 +181,13 @@ impl PostgresStore {
         };
         let partitions = crate::store::partitions::settle(options.partitions, found)?;
         let retention_ms = secs_to_ms(retention_secs);
+        let db = Arc::new(db);
+        let days = Arc::new(Days::default());
         Ok(PostgresStore {
+            batcher: Batcher::start(Arc::clone(&db), Arc::clone(&days)),
             db,
+            listen: options.listen,
+            listener: OnceLock::new(),
             partitions,
             configured_partitions: options.partitions,
             lifetimes: Lifetimes {
@@ -167,7 +196,7 @@ impl PostgresStore {
                     DEFAULT_PAYMENT_RETENTION_SECS.max(retention_secs),
                 ),
             },
-            days: Arc::new(Days::default()),
+            days,
             database_clock_leases: true,
         })
     }
@@ -184,6 +213,12 @@ impl PostgresStore {
     pub fn with_caller_clock_leases(mut self) -> PostgresStore {
         self.database_clock_leases = false;
         self
+    }
+
+    /// Accept transactions committed by this store (`batch.rs`): fewer than the accepts
+    /// when concurrent ones were group-committed.
+    pub fn accept_commits(&self) -> u64 {
+        self.batcher.commits()
     }
 
     /// The URL as messages and logs may show it: the password hidden.
@@ -252,12 +287,7 @@ impl PaymentStatusRead for PostgresStore {
 impl Store for PostgresStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
         self.prepare_day(now).await?;
-        let (days, lifetimes) = (Arc::clone(&self.days), self.lifetimes);
-        self.db
-            .call(move |client| {
-                async move { accept::accept(client, &days, &req, now, lifetimes).await }.boxed()
-            })
-            .await
+        self.batcher.accept(req, now, self.lifetimes).await
     }
 
     async fn claim_due(
@@ -401,5 +431,18 @@ impl Store for PostgresStore {
 
     fn partitions(&self) -> Partitions {
         self.partitions
+    }
+
+    /// Changes on every notification of work committed by any process on this database, and
+    /// when the listening connection is back after a loss (`listen.rs`).
+    fn work_signal(&self) -> Option<WorkSignal> {
+        // The listener's task needs a runtime; without one, the dispatcher polls.
+        if !self.listen || tokio::runtime::Handle::try_current().is_err() {
+            return None;
+        }
+        let listener = self
+            .listener
+            .get_or_init(|| Listener::start(self.db.listen_config()));
+        Some(listener.subscribe())
     }
 }

@@ -1,0 +1,535 @@
+//! The PostgreSQL engine shared by several processes and several callers, against real
+//! servers (`support/postgres.rs`): work accepted through one process wakes the dispatcher of
+//! another at once (LISTEN/NOTIFY), a lost listening connection is replaced, an idle
+//! dispatcher costs the database next to nothing (measured), and concurrent accepts are
+//! group-committed, each in a savepoint, durable before any answer.
+
+#[path = "support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres_support;
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use callbackd::app::Settings;
+use callbackd::clock::{Clock, Millis, SystemClock};
+use callbackd::dispatch::Dispatcher;
+use callbackd::store::postgres::{ACCEPT_WORKERS, PostgresOptions, PostgresStore};
+use callbackd::store::{AcceptOutcome, AcceptRequest, Store, StoreError};
+use postgres_support::PostgresServer;
+use support::sink::Sink;
+use support::{TestServer, config, eventually, notification_request};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const RETENTION_SECS: u64 = 2_592_000;
+const TIMEOUT: Duration = Duration::from_secs(5);
+/// A delivery woken by a notification arrives within this; the dispatcher's idle poll on
+/// PostgreSQL is 2 s, so a missed wake-up shows as a delivery late by up to 2 s. Wide enough
+/// for a loaded 2-core machine.
+const WOKEN_WITHIN: Duration = Duration::from_millis(600);
+
+fn database_name(url: &str) -> &str {
+    url.rsplit('/').next().unwrap_or_default()
+}
+
+fn now() -> Millis {
+    SystemClock.now_ms()
+}
+
+async fn migrated(url: &str, options: &PostgresOptions) -> PostgresStore {
+    let mut store = PostgresStore::connect_with(url, TIMEOUT, RETENTION_SECS, options)
+        .await
+        .expect("connects");
+    store.migrate().await.expect("migrates");
+    store
+}
+
+/// A client of the test's own, on database `url`.
+async fn raw_client(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("a raw connection");
+    tokio::spawn(connection);
+    client
+}
+
+/// Two callbackd apps on one database: `front` accepts (its dispatcher off), `back` delivers
+/// to `sink`.
+async fn front_and_back(db: &str, sink: &Sink) -> (TestServer, TestServer) {
+    let forward = format!("{}/forward", sink.url);
+    let mut front = config(db, Some(&forward));
+    front.dispatch.enabled = false;
+    let front = TestServer::start(front).await;
+    let back = TestServer::start(config(db, Some(&forward))).await;
+    (front, back)
+}
+
+/// Posts callback `n` through `front` and returns how long until the sink had it.
+async fn delivered_after(front: &TestServer, sink: &Sink, n: usize) -> Duration {
+    let before = sink.count();
+    let started = Instant::now();
+    let body = format!(r#"{{"id":"tx-wake-{n}","status":"PAID","amount":100}}"#);
+    let answer = front.post_callback("payzu", &body, None).await;
+    assert_eq!(answer.status(), 200, "accepted");
+    while sink.count() == before {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "callback {n} never delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    started.elapsed()
+}
+
+/// Three callbacks 800 ms apart: with the 2 s idle poll alone, at most one of them could be
+/// found by a poll within [`WOKEN_WITHIN`], so each arriving in time shows the wake-up.
+async fn assert_woken_at_once(front: &TestServer, sink: &Sink, first: usize) {
+    for n in first..first + 3 {
+        let took = delivered_after(front, sink, n).await;
+        assert!(
+            took < WOKEN_WITHIN,
+            "callback {n} accepted by one process took {took:?} to be delivered by the other"
+        );
+        tokio::time::sleep(Duration::from_millis(800)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_accepted_by_one_process_is_delivered_by_another_at_once() {
+    let db = PostgresServer::shared().fresh_database();
+    let sink = Sink::ok().await;
+    let (front, _back) = front_and_back(&db, &sink).await;
+    // The back's listener connects, and its first (empty) claims pass.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_woken_at_once(&front, &sink, 0).await;
+}
+
+/// The backends `LISTEN`ing on database `db`.
+fn listeners(server: &PostgresServer, db: &str) -> Vec<String> {
+    server
+        .psql(&format!(
+            "SELECT pid FROM pg_stat_activity WHERE datname = '{db}' \
+             AND query LIKE 'LISTEN %' ORDER BY pid"
+        ))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_listening_connection_is_replaced_and_wakes_again() {
+    let server = PostgresServer::shared();
+    let url = server.fresh_database();
+    let db = database_name(&url).to_string();
+    let sink = Sink::ok().await;
+    let (front, _back) = front_and_back(&url, &sink).await;
+    let first = eventually(10, "the back listens", || async {
+        let found = listeners(server, &db);
+        (found.len() == 1).then_some(found)
+    })
+    .await;
+    server.psql(&format!("SELECT pg_terminate_backend({})", first[0]));
+    eventually(10, "another connection listens", || async {
+        let found = listeners(server, &db);
+        (found.len() == 1 && found != first).then_some(())
+    })
+    .await;
+    assert_woken_at_once(&front, &sink, 10).await;
+}
+
+/// Statements, and commits among them, that a dispatcher with no work sends to database `db`
+/// over 10 s, from `pg_stat_statements` (which counts each statement as it ends).
+async fn idle_cost(server: &PostgresServer, listen: bool) -> (u64, u64) {
+    let url = server.fresh_database();
+    let db = database_name(&url).to_string();
+    let settings = Settings::from_config(&config(&url, None)).expect("settings");
+    let options = PostgresOptions {
+        listen,
+        ..PostgresOptions::default()
+    };
+    let store: Arc<dyn Store> = Arc::new(migrated(&url, &options).await);
+    let dispatcher = Dispatcher::new(
+        &settings,
+        store,
+        Arc::new(SystemClock),
+        Arc::new(tokio::sync::Notify::new()),
+    )
+    .expect("dispatcher");
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(Arc::new(dispatcher).run(stop.clone(), Duration::from_secs(1)));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.psql("SELECT pg_stat_statements_reset()");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let counted = server.psql(&format!(
+        "SELECT coalesce(sum(calls), 0), coalesce(sum(calls) FILTER (WHERE query = 'COMMIT'), 0) \
+         FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = '{db}'"
+    ));
+    stop.cancel();
+    running.await.expect("the dispatcher stops");
+    let (statements, commits) = counted.trim().split_once('|').expect("two columns");
+    (
+        statements.parse().expect("a count"),
+        commits.parse().expect("a count"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_dispatcher_costs_next_to_nothing_when_it_listens() {
+    let server = PostgresServer::start_with(&[("shared_preload_libraries", "pg_stat_statements")]);
+    server.psql("CREATE EXTENSION pg_stat_statements");
+    let (polled, polled_commits) = idle_cost(&server, false).await;
+    let (listening, listening_commits) = idle_cost(&server, true).await;
+    eprintln!(
+        "an idle dispatcher over 10 s: polling every 100 ms, {polled} statements \
+         ({polled_commits} commits); listening, polling every 2 s, {listening} statements \
+         ({listening_commits} commits)"
+    );
+    assert!(
+        polled_commits >= 40,
+        "the 100 ms poll claims: {polled_commits}"
+    );
+    assert!(
+        listening_commits <= 7 && listening * 8 <= polled,
+        "listening: {listening} statements ({listening_commits} commits), polling: {polled}"
+    );
+}
+
+/// Every accept worker of `store` held up by a batch waiting for the test's lock on the
+/// dedupe key `blocker` (held by `raw`): what the test queues next goes in one batch once the
+/// lock is let go. The blocking accepts' handles are returned.
+async fn occupy_workers(
+    store: &Arc<PostgresStore>,
+    raw: &tokio_postgres::Client,
+) -> Vec<JoinHandle<Result<AcceptOutcome, StoreError>>> {
+    raw.execute("SELECT pg_advisory_lock(1, hashtext('blocker'))", &[])
+        .await
+        .expect("locks");
+    let mut blocked = Vec::new();
+    for n in 0..ACCEPT_WORKERS {
+        blocked.push(spawn_accept(
+            store,
+            notification_request("blocker", &format!("k-blocker-{n}"), now()),
+        ));
+        // One at a time, so each is a batch of its own on a worker of its own.
+        let waiting = n + 1;
+        eventually(10, "a worker waits for the lock", || async {
+            let row = raw
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                    &[],
+                )
+                .await
+                .ok()?;
+            let count: i64 = row.get(0);
+            (count as usize == waiting).then_some(())
+        })
+        .await;
+    }
+    blocked
+}
+
+/// Lets the workers go (after what the test queued has reached the queue) and checks the
+/// blocking accepts: one accepted, the others replays of it.
+async fn free_workers(
+    raw: &tokio_postgres::Client,
+    blocked: Vec<JoinHandle<Result<AcceptOutcome, StoreError>>>,
+) {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    raw.execute("SELECT pg_advisory_unlock(1, hashtext('blocker'))", &[])
+        .await
+        .expect("unlocks");
+    let mut accepted = 0;
+    for outcome in blocked {
+        match outcome.await.expect("joins").expect("accepts") {
+            AcceptOutcome::Accepted => accepted += 1,
+            AcceptOutcome::Replayed { .. } => {}
+            other => panic!("blocking accept: {other:?}"),
+        }
+    }
+    assert_eq!(accepted, 1);
+}
+
+fn spawn_accept(
+    store: &Arc<PostgresStore>,
+    req: AcceptRequest,
+) -> JoinHandle<Result<AcceptOutcome, StoreError>> {
+    let store = Arc::clone(store);
+    tokio::spawn(async move { store.accept(req, now()).await })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_accepts_share_commits_and_are_all_durable() {
+    let url = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    // The day's partitions exist before the burst.
+    store
+        .accept(notification_request("warm-up", "k-warm", now()), now())
+        .await
+        .expect("accepts");
+    let before = store.accept_commits();
+    const N: usize = 64;
+    let requests: Vec<AcceptRequest> = (0..N)
+        .map(|n| notification_request(&format!("burst-{n}"), &format!("k-{}", n % 8), now()))
+        .collect();
+    let ids: Vec<_> = requests.iter().map(|r| r.message.id.clone()).collect();
+    let calls: Vec<_> = requests
+        .into_iter()
+        .map(|req| spawn_accept(&store, req))
+        .collect();
+    for call in calls {
+        assert_eq!(
+            call.await.expect("joins").expect("accepts"),
+            AcceptOutcome::Accepted
+        );
+    }
+    let commits = store.accept_commits() - before;
+    eprintln!("{N} concurrent accepts committed in {commits} transactions");
+    assert!(commits <= (N / 2) as u64, "{N} accepts, {commits} commits");
+    // Durable: another store, on connections of its own, reads every one.
+    drop(store);
+    let other = migrated(&url, &PostgresOptions::default()).await;
+    for id in &ids {
+        assert!(
+            other.get(id).await.expect("reads").is_some(),
+            "{id} recorded"
+        );
+    }
+    assert_eq!(other.depth().await.expect("depth").pending, N as u64 + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_twice_in_one_batch_is_one_accept_and_one_replay() {
+    let url = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    let raw = raw_client(&url).await;
+    let blocked = occupy_workers(&store, &raw).await;
+    let before = store.accept_commits();
+    let first = notification_request("twice", "k-twice", now());
+    let mut second = notification_request("twice", "k-twice", now());
+    second.dedupe.response = first.dedupe.response.clone();
+    let (first_id, second_id) = (first.message.id.clone(), second.message.id.clone());
+    let calls = [spawn_accept(&store, first), spawn_accept(&store, second)];
+    free_workers(&raw, blocked).await;
+    let mut outcomes = Vec::new();
+    for call in calls {
+        outcomes.push(call.await.expect("joins").expect("answers"));
+    }
+    assert_eq!(
+        store.accept_commits() - before,
+        ACCEPT_WORKERS as u64 + 1,
+        "the blocking batches, then both in one"
+    );
+    outcomes.sort_by_key(|o| format!("{o:?}"));
+    assert!(
+        matches!(
+            outcomes.as_slice(),
+            [AcceptOutcome::Accepted, AcceptOutcome::Replayed { .. }]
+        ),
+        "{outcomes:?}"
+    );
+    let recorded = [
+        store.get(&first_id).await.expect("reads").is_some(),
+        store.get(&second_id).await.expect("reads").is_some(),
+    ];
+    assert_eq!(
+        recorded.iter().filter(|r| **r).count(),
+        1,
+        "one message recorded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accept_failing_in_a_batch_fails_alone() {
+    let url = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    let raw = raw_client(&url).await;
+    let blocked = occupy_workers(&store, &raw).await;
+    let before = store.accept_commits();
+    let good = notification_request("good", "k-good", now());
+    // The same message id as `good`: the queue refuses it, after its dedupe claim was written.
+    let mut bad = notification_request("bad", "k-bad", now());
+    bad.message.id = good.message.id.clone();
+    let also_good = notification_request("also-good", "k-also-good", now());
+    let also_good_id = also_good.message.id.clone();
+    let calls = [
+        spawn_accept(&store, good),
+        spawn_accept(&store, bad),
+        spawn_accept(&store, also_good),
+    ];
+    free_workers(&raw, blocked).await;
+    let mut outcomes = Vec::new();
+    for call in calls {
+        outcomes.push(call.await.expect("joins"));
+    }
+    assert_eq!(store.accept_commits() - before, ACCEPT_WORKERS as u64 + 1);
+    assert!(
+        matches!(outcomes[0], Ok(AcceptOutcome::Accepted)),
+        "{outcomes:?}"
+    );
+    assert!(
+        matches!(outcomes[1], Err(StoreError::Unavailable(_))),
+        "{outcomes:?}"
+    );
+    assert!(
+        matches!(outcomes[2], Ok(AcceptOutcome::Accepted)),
+        "{outcomes:?}"
+    );
+    assert!(store.get(&also_good_id).await.expect("reads").is_some());
+    // The failed accept's claim was rolled back with it: its key is free.
+    let retry = notification_request("bad", "k-bad", now());
+    assert_eq!(
+        store.accept(retry, now()).await.expect("accepts"),
+        AcceptOutcome::Accepted
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_fails_fails_every_caller_and_records_nothing() {
+    let url = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    let raw = raw_client(&url).await;
+    let blocked = occupy_workers(&store, &raw).await;
+    // The batch will wait for this lock too, and lose its connection while waiting.
+    raw.execute("SELECT pg_advisory_lock(1, hashtext('doomed'))", &[])
+        .await
+        .expect("locks");
+    let requests = [
+        notification_request("lost-1", "k-lost-1", now()),
+        notification_request("lost-2", "k-lost-2", now()),
+        notification_request("doomed", "k-doomed", now()),
+    ];
+    let ids: Vec<_> = requests.iter().map(|r| r.message.id.clone()).collect();
+    let calls: Vec<_> = requests
+        .into_iter()
+        .map(|req| spawn_accept(&store, req))
+        .collect();
+    free_workers(&raw, blocked).await;
+    let waiting = eventually(10, "the batch waits for `doomed`", || async {
+        let row = raw
+            .query_opt(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                 AND classid = 1 AND objid = hashtext('doomed')::oid",
+                &[],
+            )
+            .await
+            .ok()??;
+        Some(row.get::<_, i32>(0))
+    })
+    .await;
+    raw.execute("SELECT pg_terminate_backend($1)", &[&waiting])
+        .await
+        .expect("terminates");
+    for call in calls {
+        let outcome = call.await.expect("joins");
+        assert!(
+            matches!(outcome, Err(StoreError::Unavailable(_))),
+            "{outcome:?}"
+        );
+    }
+    raw.execute("SELECT pg_advisory_unlock(1, hashtext('doomed'))", &[])
+        .await
+        .expect("unlocks");
+    for id in &ids {
+        assert!(
+            store.get(id).await.expect("reads").is_none(),
+            "{id} not recorded"
+        );
+    }
+    // No key was burnt: each is accepted anew.
+    for key in ["lost-1", "lost-2", "doomed"] {
+        let again = notification_request(key, &format!("k-{key}"), now());
+        assert_eq!(
+            store.accept(again, now()).await.expect("accepts"),
+            AcceptOutcome::Accepted
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_two_processes_sharing_keys_in_opposite_orders_never_deadlock() {
+    let url = PostgresServer::shared().fresh_database();
+    let stores = [
+        Arc::new(migrated(&url, &PostgresOptions::default()).await),
+        Arc::new(migrated(&url, &PostgresOptions::default()).await),
+    ];
+    for (n, store) in stores.iter().enumerate() {
+        store
+            .accept(
+                notification_request(&format!("warm-{n}"), "k-warm", now()),
+                now(),
+            )
+            .await
+            .expect("accepts");
+    }
+    let before: u64 = stores.iter().map(|s| s.accept_commits()).sum();
+    const N: usize = 32;
+    const ROUNDS: usize = 3;
+    for round in 0..ROUNDS {
+        // Each process's burst takes the same ordering keys' locks, one in the opposite order
+        // of the other.
+        let mut calls = Vec::new();
+        for i in 0..N {
+            calls.push(spawn_accept(
+                &stores[0],
+                notification_request(&format!("a-{round}-{i}"), &format!("k-{i}"), now()),
+            ));
+            calls.push(spawn_accept(
+                &stores[1],
+                notification_request(
+                    &format!("b-{round}-{i}"),
+                    &format!("k-{}", N - 1 - i),
+                    now(),
+                ),
+            ));
+        }
+        // PostgreSQL breaks a deadlock after `deadlock_timeout` by failing one side, which
+        // this accept's caller would hear (`40P01`).
+        for call in calls {
+            assert_eq!(
+                call.await.expect("joins").expect("accepts"),
+                AcceptOutcome::Accepted
+            );
+        }
+    }
+    let commits = stores.iter().map(|s| s.accept_commits()).sum::<u64>() - before;
+    assert!(
+        commits < (2 * N * ROUNDS) as u64,
+        "batches formed: {commits} commits"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_this_process_scheduled_is_made_on_time_despite_the_slow_poll() {
+    let db = PostgresServer::shared().fresh_database();
+    // The first attempt fails; the retry is due 100 ms later (`initial_backoff_ms`).
+    let sink =
+        Sink::start(|_, n| support::sink::Reply::status(if n == 0 { 500 } else { 204 })).await;
+    let forward = format!("{}/forward", sink.url);
+    let server = TestServer::start(config(&db, Some(&forward))).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let answer = server
+        .post_callback(
+            "payzu",
+            r#"{"id":"tx-retry","status":"PAID","amount":1}"#,
+            None,
+        )
+        .await;
+    assert_eq!(answer.status(), 200);
+    eventually(10, "the first attempt", || async {
+        (sink.count() >= 1).then_some(())
+    })
+    .await;
+    let failed = Instant::now();
+    eventually(10, "the retry", || async {
+        (sink.count() >= 2).then_some(())
+    })
+    .await;
+    let took = failed.elapsed();
+    assert!(
+        took < Duration::from_millis(1200),
+        "a retry due 100 ms after the failure was made {took:?} after it (the idle poll is 2 s)"
+    );
+}
