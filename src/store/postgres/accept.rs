@@ -66,8 +66,47 @@ pub(super) async fn accept_batch(
             }
         }
     }
+    wait_for_the_standby_of_what_was_read(&tx, batch, &outcomes).await?;
     tx.commit().await.db()?;
     Ok(outcomes)
+}
+
+/// A batch that only answered from what it read (replays, conflicts) wrote nothing, so its
+/// commit would not wait for a synchronous standby. Yet what it read may be a commit the
+/// standby never acknowledged: one whose wait was cancelled, or that a restarted primary
+/// replayed from its own WAL. Answering 2xx from it would acknowledge an event a failover can
+/// lose. So where a synchronous standby is named, the batch touches one claim it read: its
+/// commit then writes, and waits for the standby to hold a point past everything it read.
+async fn wait_for_the_standby_of_what_was_read(
+    tx: &Transaction<'_>,
+    batch: &[Queued],
+    outcomes: &[Result<AcceptOutcome, StoreError>],
+) -> Result<(), StoreError> {
+    if outcomes
+        .iter()
+        .any(|o| matches!(o, Ok(AcceptOutcome::Accepted)))
+    {
+        return Ok(());
+    }
+    let read_claim = batch.iter().zip(outcomes).find_map(|(queued, outcome)| {
+        matches!(
+            outcome,
+            Ok(AcceptOutcome::Replayed { .. } | AcceptOutcome::Conflict)
+        )
+        .then_some(&queued.req.dedupe.key)
+    });
+    let Some(key) = read_claim else {
+        return Ok(());
+    };
+    let touch = tx
+        .prepare_cached(
+            "UPDATE dedupe_claims SET expires_at = expires_at WHERE key = $1 \
+             AND current_setting('synchronous_standby_names') <> ''",
+        )
+        .await
+        .db()?;
+    tx.execute(&touch, &[key]).await.db()?;
+    Ok(())
 }
 
 /// Applies store::lifecycle::accept to what `tx` reads; the caller holds the locks of
