@@ -533,3 +533,66 @@ async fn a_retry_this_process_scheduled_is_made_on_time_despite_the_slow_poll() 
         "a retry due 100 ms after the failure was made {took:?} after it (the idle poll is 2 s)"
     );
 }
+
+/// Claimers racing completers: a complete that finishes a message moves its row to the day
+/// partition, and a concurrent claim whose scan had seen that row due fails to lock it with
+/// `40001` ("already moved to another partition") instead of skipping it. The claim tries
+/// again at once, so no claim fails, and every message is leased once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_racing_completions_that_finish_messages_never_fail() {
+    use callbackd::store::{Completion, DeliveryAttempt};
+    const MESSAGES: usize = 2_000;
+    const CLAIMERS: usize = 4;
+    let db = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&db, &PostgresOptions::default()).await);
+    let t0 = now();
+    let accepts: Vec<_> = (0..MESSAGES)
+        .map(|n| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let req = notification_request(&format!("race-{n}"), &format!("k-{n}"), t0);
+                store.accept(req, t0).await.expect("accepts")
+            })
+        })
+        .collect();
+    for accept in accepts {
+        assert_eq!(accept.await.expect("joins"), AcceptOutcome::Accepted);
+    }
+    let leased = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let claimers: Vec<_> = (0..CLAIMERS)
+        .map(|_| {
+            let (store, leased) = (Arc::clone(&store), Arc::clone(&leased));
+            tokio::spawn(async move {
+                let at = t0 + 1;
+                loop {
+                    let leases = store.claim_due(at, 8, 60_000).await.expect("claims");
+                    if leases.is_empty() {
+                        return;
+                    }
+                    for lease in leases {
+                        assert!(
+                            leased.lock().unwrap().insert(lease.message.id.clone()),
+                            "leased twice"
+                        );
+                        let attempt = DeliveryAttempt {
+                            attempt: 1,
+                            at,
+                            status: Some(204),
+                            error: None,
+                            latency_ms: Some(1),
+                            response: None,
+                        };
+                        store
+                            .complete(&lease, attempt, Completion::Delivered, at)
+                            .await
+                            .expect("completes");
+                    }
+                }
+            })
+        })
+        .collect();
+    for claimer in claimers {
+        claimer.await.expect("a claimer");
+    }
+    assert_eq!(leased.lock().unwrap().len(), MESSAGES, "each message once");
+}

@@ -279,6 +279,32 @@ pub(super) async fn claim(
     lease_ms: u64,
     database_clock: bool,
 ) -> Result<Vec<Lease>, StoreError> {
+    for _ in 0..CLAIM_TRIES {
+        if let Some(leases) = claim_once(client, days, now, limit, lease_ms, database_clock).await?
+        {
+            return Ok(leases);
+        }
+    }
+    // Raced every time: nothing is leased now, and the next claim (a wake-up or the poll)
+    // finds the messages where the racing writes left them.
+    Ok(Vec::new())
+}
+
+/// How often a claim is tried at once when it meets a row another transaction moved.
+const CLAIM_TRIES: usize = 5;
+
+/// One claim transaction; `None` when it met a row that a concurrent write moved to another
+/// partition (a complete finishing a message into its day, a resend bringing one back).
+/// `SKIP LOCKED` skips rows locked now, but a row already moved fails the lock with
+/// `40001` instead, and the whole transaction with it; it leased nothing and is tried again.
+async fn claim_once(
+    client: &mut Client,
+    days: &Days,
+    now: Millis,
+    limit: usize,
+    lease_ms: u64,
+    database_clock: bool,
+) -> Result<Option<Vec<Lease>>, StoreError> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let tx = client.transaction().await.db()?;
     let lease_now: Millis = if database_clock {
@@ -299,7 +325,10 @@ pub(super) async fn claim(
         ))
         .await
         .db()?;
-    for found in tx.query(&expired, &[&lease_now, &limit]).await.db()? {
+    let Some(expired) = unless_moved(tx.query(&expired, &[&lease_now, &limit]).await)? else {
+        return Ok(None);
+    };
+    for found in expired {
         let row = row_from(&found)?;
         let id: String = column(&found, 12)?;
         let effect = lifecycle::expire_lease(&row.snapshot, now);
@@ -314,7 +343,10 @@ pub(super) async fn claim(
         .await
         .db()?;
     let mut leases = Vec::new();
-    for found in tx.query(&due, &[&now, &limit]).await.db()? {
+    let Some(due) = unless_moved(tx.query(&due, &[&now, &limit]).await)? else {
+        return Ok(None);
+    };
+    for found in due {
         let row = row_from(&found)?;
         let id: String = column(&found, 12)?;
         let message_json: String = column(&found, 13)?;
@@ -325,7 +357,19 @@ pub(super) async fn claim(
         leases.push(Lease::of(message, &leased));
     }
     tx.commit().await.db()?;
-    Ok(leases)
+    Ok(Some(leases))
+}
+
+/// A claim query's rows, or `None` when a row it tried to lock had been moved to another
+/// partition by a concurrent update (SQLSTATE `40001`).
+fn unless_moved(
+    rows: Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+) -> Result<Option<Vec<tokio_postgres::Row>>, StoreError> {
+    match rows {
+        Ok(rows) => Ok(Some(rows)),
+        Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => Ok(None),
+        Err(e) => Err(db_error(e)),
+    }
 }
 
 /// Applies store::lifecycle::complete.
