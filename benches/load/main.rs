@@ -50,6 +50,9 @@
 //! server processes and are listed in the report, e.g.
 //! `CALLBACKD__DISPATCH__PER_HOST_CONCURRENCY=64 cargo bench --bench load -- --quick`.
 
+#[path = "../../tests/support/postgres.rs"]
+#[allow(dead_code)]
+mod pg_support;
 #[path = "../../tests/support/mod.rs"]
 mod support;
 
@@ -65,6 +68,10 @@ mod load;
 mod machine;
 mod memory;
 mod naive;
+mod pg_retention;
+mod pg_server;
+mod pgbench;
+mod postgres;
 mod redis_stats;
 mod sink;
 mod sqlite;
@@ -114,6 +121,20 @@ struct Plan {
     drain_cap_secs: f64,
     /// wrk's raw POST run into the sink, which the drain's rate is compared with.
     wrk_secs: u64,
+    /// Phase 8, PostgreSQL: the ingest closed loop.
+    pg_ingest_secs: f64,
+    /// Each of the two pgbench runs.
+    pgbench_secs: u64,
+    /// Due messages drained into the sink.
+    pg_dispatch_n: u64,
+    /// Callbacks accepted and finished to measure bytes on disk per callback.
+    pg_size_n: u64,
+    /// How long an idle dispatcher is watched.
+    pg_idle_secs: f64,
+    /// The future backlog of the claim + complete comparison.
+    pg_future_n: u64,
+    /// Callbacks written over the retention run's 90 virtual days.
+    pg_retention_n: u64,
 }
 
 impl Plan {
@@ -134,6 +155,13 @@ impl Plan {
                 cluster_secs: 3.0,
                 drain_cap_secs: 4.0,
                 wrk_secs: 2,
+                pg_ingest_secs: 3.0,
+                pgbench_secs: 3,
+                pg_dispatch_n: 2_000,
+                pg_size_n: 5_000,
+                pg_idle_secs: 5.0,
+                pg_future_n: 50_000,
+                pg_retention_n: 18_000,
             }
         } else {
             Plan {
@@ -151,6 +179,13 @@ impl Plan {
                 cluster_secs: 10.0,
                 drain_cap_secs: 30.0,
                 wrk_secs: 5,
+                pg_ingest_secs: 20.0,
+                pgbench_secs: 20,
+                pg_dispatch_n: 20_000,
+                pg_size_n: 50_000,
+                pg_idle_secs: 10.0,
+                pg_future_n: 1_000_000,
+                pg_retention_n: 2_000_000,
             }
         }
     }
@@ -289,7 +324,9 @@ struct Env {
 }
 
 /// The phases in the order they run, by the names `--only=` takes.
-const PHASES: [&str; 5] = ["ingest", "dispatch", "queue", "sqlite", "cluster"];
+const PHASES: [&str; 6] = [
+    "ingest", "dispatch", "queue", "sqlite", "cluster", "postgres",
+];
 
 async fn run(plan: Plan, only: Vec<String>) -> i32 {
     let started = Instant::now();
@@ -327,7 +364,8 @@ async fn run(plan: Plan, only: Vec<String>) -> i32 {
             "dispatch" => dispatch::run(&env, &mut report).await,
             "queue" => backlog::run(&env, &mut report).await,
             "sqlite" => sqlite::run(&env, &mut report).await,
-            _ => cluster::run(&env, &mut report).await,
+            "cluster" => cluster::run(&env, &mut report).await,
+            _ => postgres::run(&env, &mut report).await,
         };
         if let Err(e) = result {
             failed = true;
