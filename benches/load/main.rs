@@ -25,9 +25,15 @@
 //!     with `store.min_replicas_acked = 1` (`WAIT` after every write); Redis CPU per
 //!     operation on each node, each master's `INFO commandstats`, and what an idle
 //!     dispatcher's polling of every partition costs each node.
+//!  8. PostgreSQL: a private server (`fsync`, `synchronous_commit` on): ingest over HTTP and
+//!     the CPU per accept of callbackd and of the server; `pgbench` running an accept's shape
+//!     of transaction on the same server, for the ratio; a dispatch drain; bytes on disk per
+//!     finished callback; an idle dispatcher's cost; claim + complete with a future backlog;
+//!     and a retention run of 90 virtual days (the store takes `now` from its caller).
 //!
 //! `--only=<phase>[,<phase>...]` runs some of them: `ingest` (1-3), `dispatch` (4), `queue`
-//! (5), `sqlite` (6), `cluster` (7); e.g. `cargo bench --bench load -- --quick --only=cluster`.
+//! (5), `sqlite` (6), `cluster` (7), `postgres` (8); e.g.
+//! `cargo bench --bench load -- --quick --only=cluster`.
 //!
 //! The load generator is a minimal HTTP/1.1 keep-alive client over raw sockets with requests
 //! formatted up front, so that on a small machine it takes as little CPU from the server as
@@ -35,12 +41,14 @@
 //!
 //! Layout: `main.rs` reads the arguments, runs the phases in order and prints the report.
 //! One file per phase: `ingest` (1, with `naive`, the reference handler), `half_load` (2),
-//! `storm` (3), `dispatch` (4), `backlog` and `memory` (5), `sqlite` (6), `cluster` (7).
+//! `storm` (3), `dispatch` (4), `backlog` and `memory` (5), `sqlite` (6), `cluster` (7),
+//! `postgres` (8, with `pg_retention`, its retention run).
 //! Shared by them: `load` (the closed and open loops and their latency histograms), `client`
 //! (the HTTP client and the requests it sends), `daemon` (a `callbackd serve` process),
 //! `redis_stats` (the Redis and what the report reads from it, or from any cluster node),
-//! `sink` (the first arrival of each delivery), `direct_store` (phase 5's library calls) and
-//! `machine` (CPU and memory from /proc). The processes, Redis, the cluster and the sink's
+//! `sink` (the first arrival of each delivery), `direct_store` (the library calls of phases 5
+//! and 8), `pg_server` (phase 8's server and what is read from it), `pgbench` (PostgreSQL's
+//! own figure) and `machine` (CPU and memory from /proc). The processes, Redis, the cluster and the sink's
 //! HTTP server are the tests' own (`tests/support`), configured here for a bench.
 //!
 //! The server binary is `CARGO_BIN_EXE_callbackd`: Cargo builds it for every bench run with the

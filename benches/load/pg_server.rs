@@ -19,11 +19,14 @@ pub struct Pg {
 
 impl Pg {
     /// A fresh server with the durable settings, `pg_stat_statements` loaded when installed,
-    /// and room for pgbench's 64 clients next to callbackd's pools.
+    /// and room for pgbench's 64 clients next to callbackd's pools. Autovacuum wakes every
+    /// 10 s instead of every minute: the retention run passes a virtual day in seconds, and
+    /// with the default it would see one vacuum a week of virtual time where a real server
+    /// sees hundreds.
     pub fn start() -> Result<Pg, String> {
         let pkglib = command_output("pg_config", &["--pkglibdir"]);
         let statements = Path::new(&pkglib).join("pg_stat_statements.so").exists();
-        let mut settings = vec![("max_connections", "200")];
+        let mut settings = vec![("max_connections", "200"), ("autovacuum_naptime", "10s")];
         if statements {
             settings.push(("shared_preload_libraries", "pg_stat_statements"));
         }
@@ -87,6 +90,49 @@ impl Pg {
     }
 }
 
+impl Pg {
+    /// Forgets what `pg_stat_statements` counted so far (nothing when it is not loaded).
+    pub fn reset_statements(&self) {
+        if self.statements {
+            let _ = self.server.try_psql("SELECT pg_stat_statements_reset()");
+        }
+    }
+
+    /// The statements database `db` spent most time in since the last reset, per item of `n`:
+    /// calls and execution time (in the server, without the round trip; a COMMIT's time is
+    /// its WAL flush), biggest first.
+    pub fn top_statements(&self, db: &str, n: u64) -> Option<String> {
+        if !self.statements {
+            return None;
+        }
+        let out = self
+            .server
+            .try_psql(&format!(
+                "SELECT s.calls || E'\\t' || s.total_exec_time || E'\\t' || \
+                 regexp_replace(left(s.query, 70), '\\s+', ' ', 'g') \
+                 FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
+                 WHERE d.datname = '{db}' ORDER BY s.total_exec_time DESC LIMIT 8"
+            ))
+            .ok()?;
+        let n = n.max(1) as f64;
+        let parts: Vec<String> = out
+            .lines()
+            .filter_map(|line| {
+                let mut f = line.splitn(3, '\t');
+                let calls: f64 = f.next()?.parse().ok()?;
+                let ms: f64 = f.next()?.parse().ok()?;
+                let query = f.next()?.replace('|', "¦").replace('`', "'");
+                Some(format!(
+                    "`{query}` {:.2}× {:.0} µs",
+                    calls / n,
+                    ms * 1e3 / n
+                ))
+            })
+            .collect();
+        Some(parts.join("; "))
+    }
+}
+
 /// (utime + stime, cutime + cstime) of `pid` in seconds.
 fn stat_times(pid: u32) -> Option<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -96,6 +142,7 @@ fn stat_times(pid: u32) -> Option<(f64, f64)> {
         .take(15)
         .map(|v| v.parse().unwrap_or(0.0))
         .collect();
+    // USER_HZ: 100 on Linux.
     let ticks = 100.0;
     Some((
         (f.get(11)? + f.get(12)?) / ticks,
@@ -135,9 +182,14 @@ pub struct Sizes {
     pub claims: i64,
     /// Everything else (seals, payments, operations, the layout's own rows).
     pub other: i64,
+    /// Of `finished`: the tables' main forks, and their indexes (the rest is TOAST and the
+    /// free space and visibility maps).
+    pub finished_heap: i64,
+    pub finished_indexes: i64,
 }
 
 impl Sizes {
+    /// Everything in the database's tables and partitions.
     pub fn total(&self) -> i64 {
         self.finished + self.live + self.claims + self.other
     }
@@ -146,9 +198,11 @@ impl Sizes {
     pub fn per_item(&self, later: &Sizes, n: u64) -> String {
         let per = |a: i64, b: i64| (b - a) as f64 / n.max(1) as f64;
         format!(
-            "{:.0} B (finished days {:.0} + dedupe claims {:.0} + live partitions and queue {:.0} + other {:.0})",
+            "{:.0} B (finished days {:.0} [heap {:.0}, indexes {:.0}] + dedupe claims {:.0} + live partitions and queue {:.0} + other {:.0})",
             per(self.total(), later.total()),
             per(self.finished, later.finished),
+            per(self.finished_heap, later.finished_heap),
+            per(self.finished_indexes, later.finished_indexes),
             per(self.claims, later.claims),
             per(self.live, later.live),
             per(self.other, later.other),
@@ -159,7 +213,8 @@ impl Sizes {
 pub async fn sizes(client: &Client) -> Result<Sizes, String> {
     let rows = client
         .query(
-            "SELECT c.relname::text, pg_total_relation_size(c.oid) FROM pg_class c \
+            "SELECT c.relname::text, pg_total_relation_size(c.oid), pg_relation_size(c.oid), \
+             pg_indexes_size(c.oid) FROM pg_class c \
              JOIN pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = 'public' AND c.relkind = 'r'",
             &[],
@@ -171,6 +226,8 @@ pub async fn sizes(client: &Client) -> Result<Sizes, String> {
         let name: String = row.get(0);
         let bytes: i64 = row.get(1);
         let part = if name.starts_with("messages_d") || name.starts_with("history_d") {
+            sizes.finished_heap += row.get::<_, i64>(2);
+            sizes.finished_indexes += row.get::<_, i64>(3);
             &mut sizes.finished
         } else if matches!(name.as_str(), "messages_live" | "history_live" | "queue") {
             &mut sizes.live

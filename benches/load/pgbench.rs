@@ -21,20 +21,23 @@ CREATE TABLE claims (key text COLLATE \"C\" PRIMARY KEY, fingerprint text NOT NU
 CREATE TABLE msgs (id text COLLATE \"C\" PRIMARY KEY, message_json text NOT NULL, \
  ordering_key text COLLATE \"C\" NOT NULL, state text NOT NULL, deadline bigint NOT NULL);";
 
+/// pgbench reads `:name` as a variable even inside a string literal, so no literal holds a
+/// colon before a letter; in prepared mode a variable is a parameter, cast to give it a type.
+///
 /// One accept's shape: a claim and a message row (about the size of the engine's
 /// `message_json` of a bench callback), in one transaction.
 const ACCEPT_SHAPE: &str = "\
 \\set k random(1, 1000000000000)
 BEGIN;
-INSERT INTO claims (key, fingerprint, response, expires_at) VALUES ('payzu:tx-' || :k, '', '{\"messageId\":\"m-' || :k || '\"}', 1) ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, response = excluded.response, expires_at = excluded.expires_at;
-INSERT INTO msgs (id, message_json, ordering_key, state, deadline) VALUES ('m-' || :k || '-' || :client_id, repeat('x', 700), 'src/payzu/tx-' || :k, 'pending', 1) ON CONFLICT (id) DO NOTHING;
+INSERT INTO claims (key, fingerprint, response, expires_at) VALUES ('payzu/tx-' || (:k)::text, '', '{\"messageId\":\"m-' || (:k)::text || '\"}', 1) ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, response = excluded.response, expires_at = excluded.expires_at;
+INSERT INTO msgs (id, message_json, ordering_key, state, deadline) VALUES ('m-' || (:k)::text || '-' || (:client_id)::text, repeat('x', 700), 'src/payzu/tx-' || (:k)::text, 'pending', 1) ON CONFLICT (id) DO NOTHING;
 END;
 ";
 
 /// A lone insert-on-conflict claim, committed by itself.
 const LONE_CLAIM: &str = "\
 \\set k random(1, 1000000000000)
-INSERT INTO claims (key, fingerprint, response, expires_at) VALUES ('payzu:lone-' || :k, '', '{\"messageId\":\"m-' || :k || '\"}', 1) ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, response = excluded.response, expires_at = excluded.expires_at;
+INSERT INTO claims (key, fingerprint, response, expires_at) VALUES ('payzu/lone-' || (:k)::text, '', '{\"messageId\":\"m-' || (:k)::text || '\"}', 1) ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, response = excluded.response, expires_at = excluded.expires_at;
 ";
 
 pub enum Script {

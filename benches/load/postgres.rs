@@ -85,6 +85,7 @@ async fn ingest(env: &Env, pg: &Pg, report: &mut Report) -> Result<f64, String> 
     );
     let url = pg.create_db("ingest")?;
     let mut daemon = Daemon::start(env.dir.path(), "pg-ingest", &url, false).await?;
+    pg.reset_statements();
     let started = Instant::now();
     let (d0, s0, g0) = (cpu_secs(Some(daemon.pid)), pg.cpu_secs(), cpu_secs(None));
     let ingest = closed_loop(
@@ -138,6 +139,12 @@ async fn ingest(env: &Env, pg: &Pg, report: &mut Report) -> Result<f64, String> 
             cores(g)
         ),
     );
+    if let Some(top) = pg.top_statements("ingest", ingest.ok) {
+        report.row(
+            "PostgreSQL ingest: statements per accepted callback (pg_stat_statements: calls, execution µs; biggest first)",
+            top,
+        );
+    }
     if let Some(mib) = peak_rss_mib(daemon.pid) {
         report.row(
             "Peak RSS of callbackd under PostgreSQL ingest",
@@ -255,6 +262,7 @@ async fn dispatch(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String>
         ),
     );
     drop(store);
+    pg.reset_statements();
     let s0 = pg.cpu_secs();
     let (per_sec, got, repeats, rss) = drain(
         env.dir.path(),
@@ -279,6 +287,12 @@ async fn dispatch(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String>
         report.row(
             "PostgreSQL dispatch drain: postgres CPU per delivery (postmaster + backends)",
             format!("{:.0} µs", cpu * 1e6 / got.max(1) as f64),
+        );
+    }
+    if let Some(top) = pg.top_statements("dispatch", got as u64) {
+        report.row(
+            "PostgreSQL dispatch drain: statements per delivery (pg_stat_statements: calls, execution µs; biggest first)",
+            top,
         );
     }
     if let Some(mib) = rss {
