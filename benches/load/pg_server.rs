@@ -99,8 +99,8 @@ impl Pg {
     }
 
     /// The statements database `db` spent most time in since the last reset, per item of `n`:
-    /// calls and execution time (in the server, without the round trip; a COMMIT's time is
-    /// its WAL flush), biggest first.
+    /// calls and execution time (in the server, without parsing, the round trip or the commit
+    /// that ends the transaction: a COMMIT's WAL flush is not in it), biggest first.
     pub fn top_statements(&self, db: &str, n: u64) -> Option<String> {
         if !self.statements {
             return None;
