@@ -59,12 +59,14 @@ pub async fn run(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
     let client = connect(&url).await?;
     let midnight = SystemClock.now_ms() / DAY_MS * DAY_MS;
     let mut days: Vec<Day> = Vec::new();
+    let mut failed_claims = 0u64;
     for day in 0..DAYS {
         let start = midnight + day * DAY_MS;
         let s0 = pg.cpu_secs().unwrap_or(0.0);
         let t0 = Instant::now();
         accept_day(&store, env, day, per_day, start, retention_secs).await?;
-        let finished = finish_day(&store, start + DAY_MS / 2).await?;
+        let (finished, failed) = finish_day(&store, start + DAY_MS / 2).await?;
+        failed_claims += failed;
         if finished < per_day {
             return Err(format!(
                 "retention day {day}: finished {finished} of {per_day}"
@@ -164,6 +166,11 @@ pub async fn run(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
         "sweep ≤ write",
         Some(sweep <= write && sweep_cpu <= write_cpu.max(0.01)),
     );
+    if failed_claims > 0 {
+        report.note(format!(
+            "postgres retention run: {failed_claims} claims failed and were tried again ({CLAIMERS} claimers at once; a claim that meets a row a concurrent complete moved to its day partition fails with 40001 instead of skipping it)"
+        ));
+    }
     Ok(())
 }
 
@@ -211,16 +218,29 @@ async fn accept_day(
 
 /// Claims and completes (one delivery attempt, delivered) what is due at `now`, with
 /// [`CLAIMERS`] claim loops at once; returns how many.
-async fn finish_day(store: &PostgresStore, now: i64) -> Result<u64, String> {
+///
+/// A claim that fails is tried again, as a dispatcher tries at its next turn: a claim's
+/// `FOR UPDATE SKIP LOCKED` that meets a row a concurrent complete has just moved to its day
+/// partition fails with 40001 ("tuple to be locked was already moved to another partition")
+/// rather than skipping it. Returns how many were finished and how many claims failed.
+async fn finish_day(store: &PostgresStore, now: i64) -> Result<(u64, u64), String> {
     let loops = (0..CLAIMERS).map(|_| async move {
-        let mut done = 0u64;
+        let (mut done, mut failed) = (0u64, 0u64);
         loop {
-            let batch = store
-                .claim_due(now, CONCURRENCY, 60_000)
-                .await
-                .map_err(|e| e.to_string())?;
+            let batch = match store.claim_due(now, CONCURRENCY, 60_000).await {
+                Ok(batch) => batch,
+                Err(e) if failed < 1_000 => {
+                    failed += 1;
+                    if failed == 1 {
+                        eprintln!("    a claim failed, tried again: {e}");
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                }
+                Err(e) => return Err(e.to_string()),
+            };
             if batch.is_empty() {
-                return Ok::<u64, String>(done);
+                return Ok::<(u64, u64), String>((done, failed));
             }
             let completions = batch.iter().map(|lease| {
                 let attempt = DeliveryAttempt {
@@ -239,9 +259,11 @@ async fn finish_day(store: &PostgresStore, now: i64) -> Result<u64, String> {
             done += batch.len() as u64;
         }
     });
-    let mut done = 0;
+    let (mut done, mut failed) = (0, 0);
     for r in futures::future::join_all(loops).await {
-        done += r?;
+        let (d, f) = r?;
+        done += d;
+        failed += f;
     }
-    Ok(done)
+    Ok((done, failed))
 }
