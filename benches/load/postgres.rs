@@ -330,6 +330,11 @@ async fn disk_per_callback(env: &Env, pg: &Pg, report: &mut Report) -> Result<()
         .map_err(|e| format!("VACUUM: {e}"))?;
     let vacuumed = sizes(&client).await?;
     let per = (vacuumed.total() - before.total()) as f64 / finished.max(1) as f64;
+    eprintln!(
+        "  per finished callback: {} after VACUUM; {} before",
+        before.per_item(&vacuumed, finished),
+        before.per_item(&after, finished)
+    );
     report.target(
         format!("PostgreSQL bytes on disk per finished callback (one attempt; {finished} finished; pg_total_relation_size of every table and partition, after VACUUM)"),
         before.per_item(&vacuumed, finished),
@@ -377,6 +382,11 @@ async fn idle(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> {
         (Some(a), Some(b)) => format!("{:.1} {what}/s", b.saturating_sub(a) as f64 / wall),
         _ => format!("? {what}/s"),
     };
+    eprintln!(
+        "  idle: postgres {} / callbackd {} of CPU; {statements}",
+        per_sec(s0, s1),
+        per_sec(d0, d1)
+    );
     report.row(
         format!("PostgreSQL idle dispatcher ({wall:.0} s, empty store): server CPU, callbackd CPU, {what}"),
         format!(
