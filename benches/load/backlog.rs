@@ -16,7 +16,7 @@ use crate::{DEDUPE_TTL_SECS, Env, Report, memory, rate};
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let plan = env.plan;
     eprintln!(
-        "[5/7] queue scale: {} due messages, empty queue vs {} scheduled a day ahead",
+        "[5/8] queue scale: {} due messages, empty queue vs {} scheduled a day ahead",
         plan.due_n, plan.future_n
     );
     // Two queues in one Redis: db 0 stays empty, db 1 holds the future-scheduled messages.

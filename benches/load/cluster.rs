@@ -188,7 +188,7 @@ impl Sample {
 
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     eprintln!(
-        "[7/7] Redis Cluster: one Redis vs 3 masters + 3 replicas, ingest {} s each",
+        "[7/8] Redis Cluster: one Redis vs 3 masters + 3 replicas, ingest {} s each",
         env.plan.cluster_secs
     );
     let load_before = loadavg();

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use callbackd::clock::{Clock, SystemClock};
 use callbackd::inbound::dedupe::{self, DEFAULT_FIELDS};
-use callbackd::store::redis::RedisStore;
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, MessageId, MessageKind,
     NewMessage, Partitions, Store,
@@ -22,6 +21,18 @@ use crate::sink::Arrivals;
 use crate::{CONCURRENCY, DAY_MS, DEDUPE_TTL_SECS, DRAIN_TIMEOUT};
 
 fn inbound_accept(tx: &str, now: i64, target_url: &str, partitions: Partitions) -> AcceptRequest {
+    inbound_accept_for(tx, now, target_url, partitions, DEDUPE_TTL_SECS)
+}
+
+/// A PayZu callback of transaction `tx` accepted at `now`, for `target_url`, its dedupe claim
+/// kept `ttl_secs`: what the HTTP layer hands `Store::accept`.
+pub fn inbound_accept_for(
+    tx: &str,
+    now: i64,
+    target_url: &str,
+    partitions: Partitions,
+    ttl_secs: u64,
+) -> AcceptRequest {
     let body = payzu_body(tx);
     let value: serde_json::Value = serde_json::from_str(&body).expect("bench body is JSON");
     let key = dedupe::derive("payzu", &value, None, &DEFAULT_FIELDS).expect("bench body has a key");
@@ -32,7 +43,7 @@ fn inbound_accept(tx: &str, now: i64, target_url: &str, partitions: Partitions) 
     AcceptRequest {
         dedupe: DedupeClaim {
             key: key.key,
-            ttl_secs: DEDUPE_TTL_SECS,
+            ttl_secs,
             fingerprint: None,
             response,
         },
@@ -55,10 +66,10 @@ fn inbound_accept(tx: &str, now: i64, target_url: &str, partitions: Partitions) 
     }
 }
 
-/// Accepts `n` callbacks through `Store::accept`, 256 in flight on the multiplexed
-/// connection, each due `due_offset_ms` after its acceptance. Returns (accepted, elapsed).
-pub async fn bulk_accept(
-    store: &RedisStore,
+/// Accepts `n` callbacks through `Store::accept`, 256 in flight (on Redis, one multiplexed
+/// connection; on PostgreSQL, as many as the pool holds), each due `due_offset_ms` after its acceptance. Returns (accepted, elapsed).
+pub async fn bulk_accept<S: Store + ?Sized>(
+    store: &S,
     tag: &str,
     n: u64,
     due_offset_ms: i64,
@@ -123,14 +134,14 @@ pub async fn bulk_accept(
 /// The store's half of dispatching, without HTTP: claim up to 64 due messages (what a
 /// dispatcher with 64 free permits asks for), complete each as delivered, repeat until none
 /// is due. Returns messages per second.
-pub async fn store_cycle(store: &RedisStore, n: u64) -> Result<(f64, u64), String> {
+pub async fn store_cycle<S: Store + ?Sized>(store: &S, n: u64) -> Result<(f64, u64), String> {
     store_cycle_at(store, n, 0).await
 }
 
 /// `store_cycle` with the clock `ahead_ms` in the future (to sweep up messages a drain left
 /// scheduled a second ahead).
-pub async fn store_cycle_at(
-    store: &RedisStore,
+pub async fn store_cycle_at<S: Store + ?Sized>(
+    store: &S,
     n: u64,
     ahead_ms: i64,
 ) -> Result<(f64, u64), String> {

@@ -16,7 +16,7 @@ use crate::{Env, Report, ms, rate, redis_stats, wrk};
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let plan = env.plan;
     let n = plan.dispatch_n;
-    eprintln!("[4/7] dispatch: hand off {n} notifications to an ingest-only process");
+    eprintln!("[4/8] dispatch: hand off {n} notifications to an ingest-only process");
     let store_url = env.redis.url();
     let handoff = hand_off(env, &store_url, "handoff", "d", &[]).await?;
     eprintln!(

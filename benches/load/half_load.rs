@@ -10,7 +10,7 @@ pub async fn run(env: &Env, daemon: &Daemon, report: &mut Report, ingest_rate: f
     let plan = env.plan;
     let half = (ingest_rate * 0.5).max(1.0);
     eprintln!(
-        "[2/7] half load: open loop at {} req/s for {} s",
+        "[2/8] half load: open loop at {} req/s for {} s",
         rate(half),
         plan.half_secs
     );

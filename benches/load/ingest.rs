@@ -13,7 +13,7 @@ use crate::{CONCURRENCY, Env, Report, half_load, naive, rate, redis_stats, storm
 /// Phases 1-3 against one Redis-backed process.
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     eprintln!(
-        "[1/7] ingest: {} connections, {} s, Redis store",
+        "[1/8] ingest: {} connections, {} s, Redis store",
         CONCURRENCY, env.plan.ingest_secs
     );
     let mut daemon = Daemon::start(env.dir.path(), "ingest", &env.redis.url(), true).await?;
@@ -112,7 +112,7 @@ async fn ingest(
 fn raw_redis(env: &Env, report: &mut Report, ingest_rate: f64, redis_us_per_accept: Option<f64>) {
     let plan = env.plan;
     eprintln!(
-        "[1/7] raw Redis: redis-benchmark -c 64 -n {} SET NX EX (unpipelined)",
+        "[1/8] raw Redis: redis-benchmark -c 64 -n {} SET NX EX (unpipelined)",
         plan.redis_bench_n
     );
     let mut cmd = Command::new("redis-benchmark");

@@ -25,9 +25,15 @@
 //!     with `store.min_replicas_acked = 1` (`WAIT` after every write); Redis CPU per
 //!     operation on each node, each master's `INFO commandstats`, and what an idle
 //!     dispatcher's polling of every partition costs each node.
+//!  8. PostgreSQL: a private server (`fsync`, `synchronous_commit` on): ingest over HTTP and
+//!     the CPU per accept of callbackd and of the server; `pgbench` running an accept's shape
+//!     of transaction on the same server, for the ratio; a dispatch drain; bytes on disk per
+//!     finished callback; an idle dispatcher's cost; claim + complete with a future backlog;
+//!     and a retention run of 90 virtual days (the store takes `now` from its caller).
 //!
 //! `--only=<phase>[,<phase>...]` runs some of them: `ingest` (1-3), `dispatch` (4), `queue`
-//! (5), `sqlite` (6), `cluster` (7); e.g. `cargo bench --bench load -- --quick --only=cluster`.
+//! (5), `sqlite` (6), `cluster` (7), `postgres` (8); e.g.
+//! `cargo bench --bench load -- --quick --only=cluster`.
 //!
 //! The load generator is a minimal HTTP/1.1 keep-alive client over raw sockets with requests
 //! formatted up front, so that on a small machine it takes as little CPU from the server as
@@ -35,12 +41,14 @@
 //!
 //! Layout: `main.rs` reads the arguments, runs the phases in order and prints the report.
 //! One file per phase: `ingest` (1, with `naive`, the reference handler), `half_load` (2),
-//! `storm` (3), `dispatch` (4), `backlog` and `memory` (5), `sqlite` (6), `cluster` (7).
+//! `storm` (3), `dispatch` (4), `backlog` and `memory` (5), `sqlite` (6), `cluster` (7),
+//! `postgres` (8, with `pg_retention`, its retention run).
 //! Shared by them: `load` (the closed and open loops and their latency histograms), `client`
 //! (the HTTP client and the requests it sends), `daemon` (a `callbackd serve` process),
 //! `redis_stats` (the Redis and what the report reads from it, or from any cluster node),
-//! `sink` (the first arrival of each delivery), `direct_store` (phase 5's library calls) and
-//! `machine` (CPU and memory from /proc). The processes, Redis, the cluster and the sink's
+//! `sink` (the first arrival of each delivery), `direct_store` (the library calls of phases 5
+//! and 8), `pg_server` (phase 8's server and what is read from it), `pgbench` (PostgreSQL's
+//! own figure) and `machine` (CPU and memory from /proc). The processes, Redis, the cluster and the sink's
 //! HTTP server are the tests' own (`tests/support`), configured here for a bench.
 //!
 //! The server binary is `CARGO_BIN_EXE_callbackd`: Cargo builds it for every bench run with the
@@ -50,6 +58,9 @@
 //! server processes and are listed in the report, e.g.
 //! `CALLBACKD__DISPATCH__PER_HOST_CONCURRENCY=64 cargo bench --bench load -- --quick`.
 
+#[path = "../../tests/support/postgres.rs"]
+#[allow(dead_code)]
+mod pg_support;
 #[path = "../../tests/support/mod.rs"]
 mod support;
 
@@ -65,6 +76,10 @@ mod load;
 mod machine;
 mod memory;
 mod naive;
+mod pg_retention;
+mod pg_server;
+mod pgbench;
+mod postgres;
 mod redis_stats;
 mod sink;
 mod sqlite;
@@ -114,6 +129,20 @@ struct Plan {
     drain_cap_secs: f64,
     /// wrk's raw POST run into the sink, which the drain's rate is compared with.
     wrk_secs: u64,
+    /// Phase 8, PostgreSQL: the ingest closed loop.
+    pg_ingest_secs: f64,
+    /// Each of the two pgbench runs.
+    pgbench_secs: u64,
+    /// Due messages drained into the sink.
+    pg_dispatch_n: u64,
+    /// Callbacks accepted and finished to measure bytes on disk per callback.
+    pg_size_n: u64,
+    /// How long an idle dispatcher is watched.
+    pg_idle_secs: f64,
+    /// The future backlog of the claim + complete comparison.
+    pg_future_n: u64,
+    /// Callbacks written over the retention run's 90 virtual days.
+    pg_retention_n: u64,
 }
 
 impl Plan {
@@ -134,6 +163,13 @@ impl Plan {
                 cluster_secs: 3.0,
                 drain_cap_secs: 4.0,
                 wrk_secs: 2,
+                pg_ingest_secs: 3.0,
+                pgbench_secs: 3,
+                pg_dispatch_n: 2_000,
+                pg_size_n: 5_000,
+                pg_idle_secs: 5.0,
+                pg_future_n: 50_000,
+                pg_retention_n: 18_000,
             }
         } else {
             Plan {
@@ -151,6 +187,13 @@ impl Plan {
                 cluster_secs: 10.0,
                 drain_cap_secs: 30.0,
                 wrk_secs: 5,
+                pg_ingest_secs: 20.0,
+                pgbench_secs: 20,
+                pg_dispatch_n: 20_000,
+                pg_size_n: 50_000,
+                pg_idle_secs: 10.0,
+                pg_future_n: 1_000_000,
+                pg_retention_n: 2_000_000,
             }
         }
     }
@@ -289,7 +332,9 @@ struct Env {
 }
 
 /// The phases in the order they run, by the names `--only=` takes.
-const PHASES: [&str; 5] = ["ingest", "dispatch", "queue", "sqlite", "cluster"];
+const PHASES: [&str; 6] = [
+    "ingest", "dispatch", "queue", "sqlite", "cluster", "postgres",
+];
 
 async fn run(plan: Plan, only: Vec<String>) -> i32 {
     let started = Instant::now();
@@ -327,7 +372,8 @@ async fn run(plan: Plan, only: Vec<String>) -> i32 {
             "dispatch" => dispatch::run(&env, &mut report).await,
             "queue" => backlog::run(&env, &mut report).await,
             "sqlite" => sqlite::run(&env, &mut report).await,
-            _ => cluster::run(&env, &mut report).await,
+            "cluster" => cluster::run(&env, &mut report).await,
+            _ => postgres::run(&env, &mut report).await,
         };
         if let Err(e) = result {
             failed = true;

@@ -153,7 +153,7 @@ async fn start(redis_url: &str) -> Result<NaiveProcess, String> {
 /// Runs the naive handler under phase 1's closed loop; reports its rate and what callbackd's
 /// `callbackd_rate` is of it.
 pub async fn run(env: &Env, report: &mut Report, callbackd_rate: f64) -> Result<(), String> {
-    eprintln!("[1/7] reference: the naive handler (verify, SET NX EX, 200) under the same load");
+    eprintln!("[1/8] reference: the naive handler (verify, SET NX EX, 200) under the same load");
     env.redis.flushall().await?;
     let naive = start(&env.redis.url()).await?;
     // The port is printed after the bind, so connections queue from here on.

@@ -14,7 +14,7 @@ const TARGET: &str = "≥ 10,000/s (synchronous = FULL)";
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let plan = env.plan;
     eprintln!(
-        "[6/7] ingest with the embedded SQLite store, {} s",
+        "[6/8] ingest with the embedded SQLite store, {} s",
         plan.sqlite_secs
     );
     let db = env.dir.path().join("sqlite").join("cb.db");

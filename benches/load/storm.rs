@@ -11,7 +11,7 @@ use crate::{CONCURRENCY, Env, Report, rate};
 pub async fn run(env: &Env, daemon: &Daemon, report: &mut Report) -> Result<(), String> {
     let plan = env.plan;
     eprintln!(
-        "[3/7] duplicate storm: one callback from {} connections for {} s",
+        "[3/8] duplicate storm: one callback from {} connections for {} s",
         CONCURRENCY, plan.dup_secs
     );
     let body = payzu_body(&format!("tx-{}-dup", env.run_tag));
