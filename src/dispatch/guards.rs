@@ -1,0 +1,148 @@
+//! The gates of every host this process delivers to (`gate.rs` decides, this keeps them), and
+//! what they show: the metrics of each host's breaker, and the snapshot the admin API lists.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::gate::{GateState, HoldReason, HostGate, Limits, Pass, Transition};
+use crate::app::DispatchSettings;
+use crate::clock::{Millis, millis};
+use crate::metrics as m;
+use crate::store::lifecycle::policy::HostSignal;
+
+/// Hosts whose gates are remembered; beyond that the idle ones are forgotten.
+const MAX_TRACKED_HOSTS: usize = 10_000;
+
+pub(super) struct Guards {
+    settings: DispatchSettings,
+    gates: Mutex<HashMap<String, HostGate>>,
+}
+
+/// A message's leave to go to its host. It must be [`Ticket::record`]ed once its attempt has
+/// an outcome; dropped unrecorded (sent back for a slot, cancelled), it frees its place, and a
+/// probe that was never made lets the next message probe.
+pub(super) struct Ticket {
+    guards: Arc<Guards>,
+    pub(super) host: String,
+    probe: bool,
+    recorded: bool,
+}
+
+/// A host that is held back, for the admin API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldHost {
+    pub host: String,
+    pub state: GateState,
+}
+
+impl Guards {
+    pub(super) fn new(settings: &DispatchSettings) -> Guards {
+        Guards {
+            settings: settings.clone(),
+            gates: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn limits(&self, host: &str) -> Limits {
+        let own = self.settings.host_limits(host);
+        let b = &self.settings.breaker;
+        Limits {
+            failures: b.failures,
+            probe_ms: Millis::try_from(millis(b.probe)).unwrap_or(Millis::MAX),
+            max_probe_ms: Millis::try_from(millis(b.max_probe)).unwrap_or(Millis::MAX),
+            concurrency: own
+                .concurrency
+                .unwrap_or(self.settings.per_host_concurrency),
+            max_per_second: own.max_per_second,
+        }
+    }
+
+    /// Whether a message may go to `host` now: a ticket (and how long to wait for the rate),
+    /// or when it is due again and why.
+    pub(super) fn admit(
+        self: &Arc<Self>,
+        host: &str,
+        now: Millis,
+    ) -> Result<(Ticket, Millis), (Millis, HoldReason)> {
+        let pass = {
+            let Ok(mut gates) = self.gates.lock() else {
+                // A poisoned lock only follows a panic elsewhere: deliver unguarded rather
+                // than stop delivering.
+                return Ok((self.ticket(host, false), 0));
+            };
+            if gates.len() >= MAX_TRACKED_HOSTS {
+                gates.retain(|_, g| !g.is_idle(now));
+            }
+            gates
+                .entry(host.to_string())
+                .or_insert_with(|| HostGate::new(self.limits(host)))
+                .admit(now)
+        };
+        match pass {
+            Pass::Go { wait_ms, probe } => Ok((self.ticket(host, probe), wait_ms)),
+            Pass::Hold { until, reason } => {
+                metrics::counter!(m::HELD_BACK, "host" => host.to_string(), "reason" => reason.as_str())
+                    .increment(1);
+                Err((until, reason))
+            }
+        }
+    }
+
+    fn ticket(self: &Arc<Self>, host: &str, probe: bool) -> Ticket {
+        Ticket {
+            guards: Arc::clone(self),
+            host: host.to_string(),
+            probe,
+            recorded: false,
+        }
+    }
+
+    /// The hosts held back now (breaker open, or throttled), by name.
+    pub fn held(&self, now: Millis) -> Vec<HeldHost> {
+        let Ok(gates) = self.gates.lock() else {
+            return Vec::new();
+        };
+        let mut held: Vec<HeldHost> = gates
+            .iter()
+            .map(|(host, g)| HeldHost {
+                host: host.clone(),
+                state: g.state(now),
+            })
+            .filter(|h| h.state.open_since.is_some() || h.state.throttled_until.is_some())
+            .collect();
+        held.sort_by(|a, b| a.host.cmp(&b.host));
+        held
+    }
+
+    fn publish(host: &str, state: GateState) {
+        let open = if state.open_since.is_some() { 1.0 } else { 0.0 };
+        metrics::gauge!(m::HOST_BREAKER_OPEN, "host" => host.to_string()).set(open);
+        metrics::gauge!(m::HOST_FAILURES, "host" => host.to_string())
+            .set(f64::from(state.failures));
+    }
+}
+
+impl Ticket {
+    /// Records what the attempt said about the host; a change worth an alert is returned.
+    pub(super) fn record(mut self, signal: HostSignal, now: Millis) -> Option<Transition> {
+        self.recorded = true;
+        let mut gates = self.guards.gates.lock().ok()?;
+        let gate = gates.get_mut(&self.host)?;
+        let transition = gate.record(signal, self.probe, now);
+        Guards::publish(&self.host, gate.state(now));
+        transition
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.recorded {
+            return;
+        }
+        if let Ok(mut gates) = self.guards.gates.lock()
+            && let Some(gate) = gates.get_mut(&self.host)
+        {
+            gate.abandon(self.probe);
+        }
+    }
+}
