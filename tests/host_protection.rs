@@ -268,3 +268,79 @@ async fn max_per_second_holds_at_the_receiver() {
     assert!(busiest <= 58, "{busiest} requests in one second");
     server.stop().await;
 }
+
+/// On a virtual clock: the breaker opens after its threshold with one signed alert (not one
+/// per message), and a message whose window ends while its host is open is dead at the
+/// deadline, named for the breaker, with no request made for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_window_ends_while_its_host_is_open_dies_for_the_breaker() {
+    let dir = tempfile::tempdir().unwrap();
+    let alert_sink = Sink::ok().await;
+    let url = format!("http://127.0.0.1:{}/gateway", closed_port());
+    let url_db = format!("sqlite://{}", dir.path().join("cb.db").display());
+    let (server, clock, d) = support::virtual_server(&url_db, |c| {
+        c.dispatch.max_age_secs = 60;
+        c.dispatch.breaker.failures = 1;
+        c.alerts = Some(callbackd::config::AlertsConfig {
+            webhook_url: format!("{}/alerts", alert_sink.url),
+            secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
+            console_url: None,
+            allow_private_webhook_url: true,
+            digest_interval_secs: 60,
+            max_alerts_per_interval: 10,
+        });
+    })
+    .await;
+    let first = server.hand_off_id(&handoff("p-1", "approved", &url)).await;
+    d.tick().await;
+    // Open after one failure: the second message gets no attempt.
+    let second = server.hand_off_id(&handoff("p-2", "approved", &url)).await;
+    d.tick().await;
+    let attempts_of = |id: String| {
+        let store = server.store.clone();
+        async move {
+            let id = MessageId::parse(&id).expect("a message id");
+            store.get(&id).await.expect("store read").expect("stored")
+        }
+    };
+    assert_eq!(attempts_of(first.clone()).await.delivery_attempts, 1);
+    assert_eq!(attempts_of(second.clone()).await.delivery_attempts, 0);
+    let alerts: Vec<serde_json::Value> = alert_sink.received().iter().map(|r| r.json()).collect();
+    assert_eq!(alerts.len(), 1, "one alert for the host: {alerts:?}");
+    assert_eq!(alerts[0]["type"], "host.breaker.open");
+    assert!(
+        alert_sink.received()[0]
+            .header("webhook-signature")
+            .is_some_and(|s| s.starts_with("v1,")),
+        "signed like the dead-letter alert"
+    );
+
+    // Past both deadlines: one message is the probe (an attempt, expired); the other dies
+    // unsent for the breaker.
+    clock.advance(61_000);
+    d.tick().await;
+    let mut reasons = Vec::new();
+    for id in [first, second] {
+        let record = attempts_of(id).await;
+        assert_eq!(format!("{:?}", record.state), "Dead");
+        let last = record.history.last().expect("a history row");
+        reasons.push(format!("{last:?}"));
+    }
+    assert!(
+        reasons.iter().any(|r| r.contains("breaker_open")),
+        "{reasons:?}"
+    );
+    let dead_alerts: Vec<serde_json::Value> = alert_sink
+        .received()
+        .iter()
+        .map(|r| r.json())
+        .filter(|a| a["type"] == "message.dead")
+        .collect();
+    assert!(
+        dead_alerts
+            .iter()
+            .any(|a| a["data"]["reason"] == "breaker_open"),
+        "{dead_alerts:?}"
+    );
+    server.stop().await;
+}
