@@ -152,13 +152,34 @@ async fn a_host_refusing_connections_gets_probes_not_its_backlog() {
     let dir = tempfile::tempdir().unwrap();
     let port = closed_port();
     let url = format!("http://127.0.0.1:{port}/gateway");
+    let alert_sink = Sink::ok().await;
     let mut cfg = sqlite(&dir);
     cfg.dispatch.breaker.probe_secs = 1;
     cfg.dispatch.breaker.max_probe_secs = 2;
+    cfg.alerts = Some(alerts_to(&alert_sink));
     let server = TestServer::start(cfg).await;
     let down_since = Instant::now();
     let ids = hand_off(&server, "down", 500, &url).await;
     tokio::time::sleep(Duration::from_secs(20).saturating_sub(down_since.elapsed())).await;
+
+    // The admin API and the metrics show it open, with its backlog waiting.
+    let host = format!("127.0.0.1:{port}");
+    let listed: serde_json::Value = server
+        .admin_get("/v1/admin/hosts")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let entry = &listed["hosts"][0];
+    assert_eq!(entry["host"], host.as_str(), "{listed}");
+    assert_eq!(entry["state"], serde_json::json!(["open"]), "{listed}");
+    assert!(entry["openSince"].is_string(), "{listed}");
+    assert!(entry["waiting"].as_u64().unwrap_or(0) >= 100, "{listed}");
+    let metrics = server.admin_get("/metrics").await.text().await.unwrap();
+    assert!(
+        metrics.contains(&format!("callbackd_host_breaker_open{{host=\"{host}\"}} 1")),
+        "the breaker's gauge"
+    );
 
     // 20 failures open the breaker; what was in flight then (16 at most) fails too; then one
     // probe every 1 s, 2 s, 2 s...: about 20 + 16 + 11.
@@ -269,6 +290,17 @@ async fn max_per_second_holds_at_the_receiver() {
     server.stop().await;
 }
 
+fn alerts_to(sink: &Sink) -> callbackd::config::AlertsConfig {
+    callbackd::config::AlertsConfig {
+        webhook_url: format!("{}/alerts", sink.url),
+        secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
+        console_url: None,
+        allow_private_webhook_url: true,
+        digest_interval_secs: 60,
+        max_alerts_per_interval: 10,
+    }
+}
+
 /// On a virtual clock: the breaker opens after its threshold with one signed alert (not one
 /// per message), and a message whose window ends while its host is open is dead at the
 /// deadline, named for the breaker, with no request made for it.
@@ -281,14 +313,7 @@ async fn a_message_whose_window_ends_while_its_host_is_open_dies_for_the_breaker
     let (server, clock, d) = support::virtual_server(&url_db, |c| {
         c.dispatch.max_age_secs = 60;
         c.dispatch.breaker.failures = 1;
-        c.alerts = Some(callbackd::config::AlertsConfig {
-            webhook_url: format!("{}/alerts", alert_sink.url),
-            secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(),
-            console_url: None,
-            allow_private_webhook_url: true,
-            digest_interval_secs: 60,
-            max_alerts_per_interval: 10,
-        });
+        c.alerts = Some(alerts_to(&alert_sink));
     })
     .await;
     let first = server.hand_off_id(&handoff("p-1", "approved", &url)).await;

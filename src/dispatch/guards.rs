@@ -1,9 +1,10 @@
 //! The gates of every host this process delivers to (`gate.rs` decides, this keeps them), and
 //! what they show: the metrics of each host's breaker, and the snapshot the admin API lists.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
+use super::board::{HeldHost, MAX_WAITING};
 use super::gate::{GateState, HoldReason, HostGate, Limits, Pass, Transition};
 use crate::app::DispatchSettings;
 use crate::clock::{Millis, millis};
@@ -16,6 +17,8 @@ const MAX_TRACKED_HOSTS: usize = 10_000;
 pub(super) struct Guards {
     settings: DispatchSettings,
     gates: Mutex<HashMap<String, HostGate>>,
+    /// Messages held back per host while it is open or throttled (for the admin API).
+    waiting: Mutex<HashMap<String, HashSet<String>>>,
 }
 
 /// A message's leave to go to its host. It must be [`Ticket::record`]ed once its attempt has
@@ -28,18 +31,12 @@ pub(super) struct Ticket {
     recorded: bool,
 }
 
-/// A host that is held back, for the admin API.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HeldHost {
-    pub host: String,
-    pub state: GateState,
-}
-
 impl Guards {
     pub(super) fn new(settings: &DispatchSettings) -> Guards {
         Guards {
             settings: settings.clone(),
             gates: Mutex::new(HashMap::new()),
+            waiting: Mutex::new(HashMap::new()),
         }
     }
 
@@ -62,6 +59,7 @@ impl Guards {
     pub(super) fn admit(
         self: &Arc<Self>,
         host: &str,
+        message: &str,
         now: Millis,
     ) -> Result<(Ticket, Millis), (Millis, HoldReason)> {
         let pass = {
@@ -79,8 +77,23 @@ impl Guards {
                 .admit(now)
         };
         match pass {
-            Pass::Go { wait_ms, probe } => Ok((self.ticket(host, probe), wait_ms)),
+            Pass::Go { wait_ms, probe } => {
+                if let Ok(mut waiting) = self.waiting.lock()
+                    && let Some(held) = waiting.get_mut(host)
+                {
+                    held.remove(message);
+                }
+                Ok((self.ticket(host, probe), wait_ms))
+            }
             Pass::Hold { until, reason } => {
+                if matches!(reason, HoldReason::Open | HoldReason::Throttled)
+                    && let Ok(mut waiting) = self.waiting.lock()
+                {
+                    let held = waiting.entry(host.to_string()).or_default();
+                    if held.len() < MAX_WAITING {
+                        held.insert(message.to_string());
+                    }
+                }
                 metrics::counter!(m::HELD_BACK, "host" => host.to_string(), "reason" => reason.as_str())
                     .increment(1);
                 Err((until, reason))
@@ -99,17 +112,32 @@ impl Guards {
 
     /// The hosts held back now (breaker open, or throttled), by name.
     pub fn held(&self, now: Millis) -> Vec<HeldHost> {
-        let Ok(gates) = self.gates.lock() else {
+        let states: Vec<(String, GateState)> = match self.gates.lock() {
+            Ok(gates) => gates
+                .iter()
+                .map(|(host, g)| (host.clone(), g.state(now)))
+                .collect(),
+            Err(_) => return Vec::new(),
+        };
+        let Ok(mut waiting) = self.waiting.lock() else {
             return Vec::new();
         };
-        let mut held: Vec<HeldHost> = gates
-            .iter()
-            .map(|(host, g)| HeldHost {
-                host: host.clone(),
-                state: g.state(now),
-            })
-            .filter(|h| h.state.open_since.is_some() || h.state.throttled_until.is_some())
-            .collect();
+        let mut held = Vec::new();
+        for (host, state) in states {
+            if state.open_since.is_none() && state.throttled_until.is_none() {
+                // Its episode is over: the next one counts afresh.
+                waiting.remove(&host);
+                continue;
+            }
+            held.push(HeldHost {
+                waiting: waiting.get(&host).map_or(0, HashSet::len),
+                host,
+                open_since: state.open_since,
+                throttled_since: state.throttled_since,
+                throttled_until: state.throttled_until,
+                failures: state.failures,
+            });
+        }
         held.sort_by(|a, b| a.host.cmp(&b.host));
         held
     }

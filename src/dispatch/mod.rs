@@ -9,14 +9,15 @@
 //! global permit only once it holds a slot to its host. A claim takes at most one host's
 //! worth of messages, and no more than the waiting room for slots can hold.
 
+pub mod board;
 pub mod delivery;
 pub mod gate;
 mod guards;
 pub mod host_key;
 mod hosts;
 
+pub use board::{HeldHost, HostBoard};
 pub use gate::{GateState, HoldReason};
-pub use guards::HeldHost;
 
 use crate::clock::Millis;
 use std::collections::HashMap;
@@ -155,6 +156,13 @@ impl Dispatcher {
         self.guards.held(self.clock.now_ms())
     }
 
+    /// Shows this dispatcher's held hosts on `board` (the admin API's).
+    pub fn with_board(self, board: &HostBoard) -> Dispatcher {
+        let (guards, clock) = (Arc::clone(&self.guards), Arc::clone(&self.clock));
+        board.publish(move || guards.held(clock.now_ms()));
+        self
+    }
+
     /// Counts every attempt in `stats` (the console's deliveries-per-minute chart).
     pub fn with_stats(mut self, stats: Arc<DeliveryStats>) -> Dispatcher {
         self.stats = Some(stats);
@@ -202,7 +210,7 @@ impl Dispatcher {
             let host = host_key::of_url(&url).unwrap_or_default();
             // The host's gate first: a throttled or open host, or one over its rate, gets no
             // attempt, and its message waits in the store.
-            let (ticket, wait_ms) = match self.guards.admit(&host, now) {
+            let (ticket, wait_ms) = match self.guards.admit(&host, c.message.id.as_str(), now) {
                 Ok(go) => go,
                 Err((until, reason)) => {
                     tasks.spawn(async move { this.hold(&c, until, reason).await }.instrument(span));
