@@ -29,7 +29,7 @@ use crate::digest::short_hash;
 use crate::ordering::OrderingKey;
 use crate::redact::display_url;
 use crate::ssrf::SsrfGuard;
-use crate::store::lifecycle::policy::DeathReason;
+use crate::store::lifecycle::policy::{AttemptResult, DeathReason};
 use crate::store::{
     AcceptRequest, DedupeClaim, DeliveryAttempt, Lease, MessageId, MessageKind, NewMessage,
     Partitions,
@@ -40,6 +40,10 @@ use crate::trace::{TRACEPARENT, TRACESTATE};
 pub const DEAD_EVENT: &str = "message.dead";
 /// The event type of the summary of a window's deaths beyond the cap.
 pub const DIGEST_EVENT: &str = "message.dead.digest";
+/// The event type of the alert that a host's circuit breaker opened.
+pub const HOST_OPEN_EVENT: &str = "host.breaker.open";
+/// The event type of the alert that a host whose breaker was open answered again.
+pub const HOST_RECOVERED_EVENT: &str = "host.breaker.closed";
 /// Message ids a digest lists; its counts cover every death.
 pub const DIGEST_SAMPLE: usize = 20;
 /// Whether a message is a dead-letter alert. Each alert is its own ordering key, so one slow
@@ -216,6 +220,45 @@ impl Alerts {
         )
     }
 
+    /// The alert that this process's breaker for `host` (`host:port`) opened (`open`) or
+    /// closed, after the attempt that got `result`. One per change, whatever the backlog.
+    pub fn host(
+        &self,
+        host: &str,
+        open: bool,
+        result: &AttemptResult,
+        now: Millis,
+        partitions: Partitions,
+    ) -> AcceptRequest {
+        let event = if open {
+            HOST_OPEN_EVENT
+        } else {
+            HOST_RECOVERED_EVENT
+        };
+        let body = json!({
+            "type": event,
+            "timestamp": format_iso(now),
+            "data": {
+                "host": host,
+                "lastStatus": result.status,
+                "lastError": result.error.map(|e| e.as_str()),
+            },
+        })
+        .to_string();
+        // Each change is its own: two processes' alerts about one host are two messages.
+        let nonce = format!("{:032x}", rand::random::<u128>());
+        let dedupe_key = short_hash(format!("alert-host\n{nonce}").as_bytes());
+        self.request(
+            OrderingKey::Alert(&format!("host/{nonce}")).to_string(),
+            event,
+            body,
+            Default::default(),
+            dedupe_key,
+            now,
+            partitions,
+        )
+    }
+
     /// An alert message to this target: each is its own ordering key.
     #[allow(clippy::too_many_arguments)]
     fn request(
@@ -275,8 +318,8 @@ pub struct Digest {
     pub from: Millis,
     pub to: Millis,
     pub count: u64,
-    pub gone: u64,
-    pub expired: u64,
+    /// Deaths by reason, in the order of [`DeathReason::ALL`].
+    pub by_reason: [u64; DeathReason::ALL.len()],
     /// The first [`DIGEST_SAMPLE`] ids.
     pub sample: Vec<String>,
 }
@@ -284,11 +327,16 @@ pub struct Digest {
 impl Digest {
     /// The deaths it counts for `reason`.
     pub fn deaths(&self, reason: DeathReason) -> u64 {
-        match reason {
-            DeathReason::Gone => self.gone,
-            DeathReason::Expired => self.expired,
-        }
+        self.by_reason[reason_index(reason)]
     }
+}
+
+/// Where `reason` is counted in [`Digest::by_reason`].
+fn reason_index(reason: DeathReason) -> usize {
+    DeathReason::ALL
+        .iter()
+        .position(|r| *r == reason)
+        .unwrap_or_default()
 }
 
 impl AlertBudget {
@@ -330,15 +378,11 @@ impl AlertBudget {
             from,
             to,
             count: 0,
-            gone: 0,
-            expired: 0,
+            by_reason: [0; DeathReason::ALL.len()],
             sample: Vec::new(),
         });
         digest.count += 1;
-        match reason {
-            DeathReason::Gone => digest.gone += 1,
-            DeathReason::Expired => digest.expired += 1,
-        }
+        digest.by_reason[reason_index(reason)] += 1;
         if digest.sample.len() < DIGEST_SAMPLE {
             digest.sample.push(id.to_string());
         }
@@ -360,14 +404,14 @@ impl AlertBudget {
     pub fn restore(&mut self, digest: Digest) {
         let kept = self.digests.entry(digest.from).or_insert_with(|| Digest {
             count: 0,
-            gone: 0,
-            expired: 0,
+            by_reason: [0; DeathReason::ALL.len()],
             sample: Vec::new(),
             ..digest.clone()
         });
         kept.count += digest.count;
-        kept.gone += digest.gone;
-        kept.expired += digest.expired;
+        for (kept, more) in kept.by_reason.iter_mut().zip(digest.by_reason) {
+            *kept += more;
+        }
         for id in digest.sample {
             if kept.sample.len() < DIGEST_SAMPLE {
                 kept.sample.push(id);
@@ -454,7 +498,14 @@ mod tests {
         assert_eq!(due.len(), 1);
         let d = &due[0];
         assert_eq!((d.from, d.to), (t, t + 60_000));
-        assert_eq!((d.count, d.gone, d.expired), (30, 20, 10));
+        assert_eq!(
+            (
+                d.count,
+                d.deaths(DeathReason::Gone),
+                d.deaths(DeathReason::Expired)
+            ),
+            (30, 20, 10)
+        );
         assert_eq!(d.sample.len(), DIGEST_SAMPLE);
         budget.restore(d.clone());
         let all = budget.take_due(None);

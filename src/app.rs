@@ -34,6 +34,9 @@ pub struct App {
     pub body_budget: Arc<Semaphore>,
     /// Deliveries and failures per minute made by this process, for the console's chart.
     pub deliveries: Arc<crate::stats::DeliveryStats>,
+    /// The hosts this process's dispatcher holds back (breaker open, throttled), for the
+    /// admin API.
+    pub held_hosts: crate::dispatch::board::HostBoard,
     /// When the store last answered a ping, in ms since `started`: `/healthz` fails once it
     /// is older than `store.healthz_fails_after_secs`. Monotonic, not the app clock: it is
     /// about the connection now, and a virtual clock moved by days must not fail it.
@@ -65,6 +68,7 @@ impl App {
             metrics: crate::metrics::handle(),
             shutting_down: CancellationToken::new(),
             deliveries: Arc::default(),
+            held_hosts: Default::default(),
         }
     }
 }

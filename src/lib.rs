@@ -208,7 +208,8 @@ pub async fn serve(
             app.wake.clone(),
         )
         .map_err(|e| StartError::Setup(format!("HTTP client: {e}")))?
-        .with_stats(app.deliveries.clone());
+        .with_stats(app.deliveries.clone())
+        .with_board(&app.held_hosts);
         Some(tokio::spawn(Arc::new(d).run(shutdown.clone(), grace)))
     } else {
         None

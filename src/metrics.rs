@@ -5,6 +5,7 @@ use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::dispatch::gate::HoldReason;
 use crate::store::lifecycle::policy::{DeathReason, FailureClass};
 use crate::store::{MessageKind, ResendEffect};
 
@@ -23,14 +24,19 @@ pub const DELIVERY_FAILURES: &str = "callbackd_delivery_failures_total";
 pub const OLDEST_PENDING_AGE: &str = "callbackd_oldest_pending_age_seconds";
 pub const STORE_UP: &str = "callbackd_store_up";
 pub const BUILD_INFO: &str = "callbackd_build_info";
+pub const HOST_BREAKER_OPEN: &str = "callbackd_host_breaker_open";
+pub const HOST_FAILURES: &str = "callbackd_host_consecutive_failures";
+pub const HELD_BACK: &str = "callbackd_held_back_total";
 
 /// Metrics that are set, not counted: read at scrape time.
-pub const GAUGES: [&str; 5] = [
+pub const GAUGES: [&str; 7] = [
     QUEUE_DEPTH,
     BUFFERED_BYTES,
     OLDEST_PENDING_AGE,
     STORE_UP,
     BUILD_INFO,
+    HOST_BREAKER_OPEN,
+    HOST_FAILURES,
 ];
 
 /// One metric as documented: the metrics table of docs/operations.md and the `/metrics` HELP lines are
@@ -86,6 +92,8 @@ pub const NOTIFICATION_OUTCOMES: &[&str] = &[
     "unavailable",
     "busy",
 ];
+/// The `reason` of the alerts that a host's breaker opened, and that it closed.
+pub const HOST_ALERT_REASONS: [&str; 2] = ["host_open", "host_recovered"];
 const KINDS: &[&str] = &["inbound", "notification"];
 
 /// The labels of a delivery policy outcome (`store/lifecycle/policy.rs`), in the order of its
@@ -104,17 +112,23 @@ macro_rules! labels_of {
 
 const DEATH_REASONS: [&str; DeathReason::ALL.len()] = labels_of!(DeathReason);
 /// An alert of one death has its reason; a digest covers many: the death reasons, then
-/// `digest`.
-const ALERT_REASONS: [&str; DeathReason::ALL.len() + 1] = {
-    let mut reasons = ["digest"; DeathReason::ALL.len() + 1];
+/// `digest`, then a host's breaker opening and closing.
+const ALERT_REASONS: [&str; DeathReason::ALL.len() + 1 + HOST_ALERT_REASONS.len()] = {
+    let mut reasons = ["digest"; DeathReason::ALL.len() + 1 + HOST_ALERT_REASONS.len()];
     let mut i = 0;
     while i < DEATH_REASONS.len() {
         reasons[i] = DEATH_REASONS[i];
         i += 1;
     }
+    let mut j = 0;
+    while j < HOST_ALERT_REASONS.len() {
+        reasons[DEATH_REASONS.len() + 1 + j] = HOST_ALERT_REASONS[j];
+        j += 1;
+    }
     reasons
 };
 const FAILURE_CLASSES: [&str; FailureClass::ALL.len()] = labels_of!(FailureClass);
+const HOLD_REASONS: [&str; HoldReason::ALL.len()] = labels_of!(HoldReason);
 const RESEND_EFFECTS: &[&str] = &[
     "requeued",
     "expedited",
@@ -124,7 +138,7 @@ const RESEND_EFFECTS: &[&str] = &[
 ];
 
 /// Every metric with its labels and meaning.
-pub const CATALOGUE: [MetricDoc; 15] = [
+pub const CATALOGUE: [MetricDoc; 18] = [
     MetricDoc {
         name: CALLBACKS,
         labels: &["source", "outcome"],
@@ -152,7 +166,7 @@ pub const CATALOGUE: [MetricDoc; 15] = [
     MetricDoc {
         name: DEAD_LETTERS,
         labels: &["kind", "reason"],
-        meaning: "Messages dead-lettered: gone (410) or expired (window over)",
+        meaning: "Messages dead-lettered: gone (410), expired (window over), or the window over while their host was held back (breaker_open, throttled)",
         values: &[("kind", KINDS), ("reason", &DEATH_REASONS)],
     },
     MetricDoc {
@@ -194,7 +208,7 @@ pub const CATALOGUE: [MetricDoc; 15] = [
     MetricDoc {
         name: ALERTS,
         labels: &["reason"],
-        meaning: "Dead-letter alerts recorded for delivery to [alerts] webhook_url: one per death, or a digest of a window's deaths beyond the cap",
+        meaning: "Alerts recorded for delivery to [alerts] webhook_url: one per death, a digest of a window's deaths beyond the cap, or one per host breaker opening or closing",
         values: &[("reason", &ALERT_REASONS)],
     },
     MetricDoc {
@@ -208,6 +222,24 @@ pub const CATALOGUE: [MetricDoc; 15] = [
         labels: &[],
         meaning: "1 when the store answered the scrape's reads, 0 when it did not",
         values: &[],
+    },
+    MetricDoc {
+        name: HOST_BREAKER_OPEN,
+        labels: &["host"],
+        meaning: "1 while this process's circuit breaker for the host (host:port) is open, else 0",
+        values: &[],
+    },
+    MetricDoc {
+        name: HOST_FAILURES,
+        labels: &["host"],
+        meaning: "Consecutive failed attempts to the host (no answer, a 5xx) as this process counts them",
+        values: &[],
+    },
+    MetricDoc {
+        name: HELD_BACK,
+        labels: &["host", "reason"],
+        meaning: "Claimed messages sent back to the queue without an attempt, to protect their host",
+        values: &[("reason", &HOLD_REASONS)],
     },
     MetricDoc {
         name: BUILD_INFO,
@@ -288,7 +320,7 @@ mod tests {
         for k in [MessageKind::Inbound, MessageKind::Notification] {
             assert!(values(DELIVERIES, "kind").contains(&kind(k)));
         }
-        for reason in [DeathReason::Gone, DeathReason::Expired] {
+        for reason in DeathReason::ALL {
             assert!(values(ALERTS, "reason").contains(&reason.as_str()));
         }
         // Every failed attempt's class: statuses that are not 2xx, and every error.

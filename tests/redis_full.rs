@@ -100,7 +100,12 @@ async fn a_full_redis_stays_at_its_limit_and_delivers_everything_once_memory_fre
     let process = Process::start_with_env(
         &redis.url(),
         "",
-        &[("CALLBACKD__STORE__REQUIRE_DURABLE", "true")],
+        &[
+            ("CALLBACKD__STORE__REQUIRE_DURABLE", "true"),
+            // Every message must keep failing at the sink: the host's breaker would otherwise
+            // open after 20 failures and hold the rest back, sparing the store their rows.
+            ("CALLBACKD__DISPATCH__BREAKER__FAILURES", "1000000"),
+        ],
     );
     let client = support::client();
     let base = &process.url;

@@ -138,9 +138,38 @@ pub struct DispatchSettings {
     pub per_host_concurrency: usize,
     /// Which addresses connectors' `callbackUrl`s may reach (`allow_private_networks`).
     pub callback_ssrf: SsrfGuard,
+    /// `[dispatch.breaker]`.
+    pub breaker: BreakerSettings,
+    /// `[dispatch.hosts]`, by lookup key (`host:port`, or a bare host for all its ports).
+    pub hosts: HashMap<String, HostLimits>,
+}
+
+/// `[dispatch.breaker]`.
+#[derive(Debug, Clone, Copy)]
+pub struct BreakerSettings {
+    pub failures: u32,
+    pub probe: Duration,
+    pub max_probe: Duration,
+}
+
+/// One host's own limits (`dispatch.hosts."<host[:port]>"`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostLimits {
+    pub max_per_second: Option<f64>,
+    pub concurrency: Option<usize>,
 }
 
 impl DispatchSettings {
+    /// The limits configured for the host of lookup key `host:port`: its own, else its bare
+    /// host's, else none.
+    pub fn host_limits(&self, key: &str) -> HostLimits {
+        self.hosts
+            .get(key)
+            .or_else(|| self.hosts.get(crate::dispatch::host_key::bare(key)))
+            .copied()
+            .unwrap_or_default()
+    }
+
     /// When a message accepted at `now` stops being delivered.
     pub fn deadline(&self, now: Millis) -> Millis {
         deadline(now, self.max_age)
@@ -227,6 +256,24 @@ impl Settings {
             callback_ssrf: SsrfGuard {
                 allow_private: dispatch.allow_private_networks,
             },
+            breaker: BreakerSettings {
+                failures: dispatch.breaker.failures,
+                probe: Duration::from_secs(dispatch.breaker.probe_secs),
+                max_probe: Duration::from_secs(dispatch.breaker.max_probe_secs),
+            },
+            hosts: dispatch
+                .hosts
+                .iter()
+                .map(|(key, host)| {
+                    let parsed = crate::dispatch::host_key::parse(key)
+                        .map_err(|problem| invalid(format!("dispatch.hosts.\"{key}\""), problem))?;
+                    let limits = HostLimits {
+                        max_per_second: host.max_per_second,
+                        concurrency: host.concurrency,
+                    };
+                    Ok((parsed, limits))
+                })
+                .collect::<Result<HashMap<_, _>, ConfigError>>()?,
         };
         let sources = config
             .sources

@@ -191,6 +191,40 @@ pub struct DispatchConfig {
     pub allow_private_networks: bool,
     /// Set to false to run an ingest-only process (the queue is served by other processes).
     pub enabled: bool,
+    /// `[dispatch.breaker]`: when a failing host stops getting attempts.
+    pub breaker: BreakerConfig,
+    /// `[dispatch.hosts."<host[:port]>"]`: one gateway's own limits.
+    pub hosts: BTreeMap<String, HostConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    /// Consecutive failed attempts to a host (no answer, a 5xx) that open its breaker.
+    pub failures: u32,
+    /// How often an open host gets one probe.
+    pub probe_secs: u64,
+    /// The longest the probe interval grows to while probes fail.
+    pub max_probe_secs: u64,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            failures: 20,
+            probe_secs: 5,
+            max_probe_secs: 60,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostConfig {
+    /// Requests per second to this host, over the whole process.
+    pub max_per_second: Option<f64>,
+    /// Deliveries in flight to this host, instead of `dispatch.per_host_concurrency`.
+    pub concurrency: Option<usize>,
 }
 
 impl Default for DispatchConfig {
@@ -205,6 +239,8 @@ impl Default for DispatchConfig {
             lease_secs: 60,
             allow_private_networks: false,
             enabled: true,
+            breaker: BreakerConfig::default(),
+            hosts: BTreeMap::new(),
         }
     }
 }

@@ -437,3 +437,72 @@ fn a_refused_store_url_does_not_echo_its_password() {
     assert_eq!(key, "store.url");
     assert!(!message.contains("hunter2-pw"), "{message}");
 }
+
+#[test]
+fn breaker_and_host_limits_are_checked_by_their_key() {
+    let c = load("", &[]).unwrap();
+    assert_eq!(c.dispatch.breaker, BreakerConfig::default());
+    assert_eq!(c.dispatch.breaker.failures, 20);
+    assert!(c.dispatch.hosts.is_empty());
+    let c = load(
+        "[dispatch.breaker]\nfailures = 5\nprobe_secs = 2\n\
+         [dispatch.hosts.\"gw.example:8443\"]\nmax_per_second = 50\nconcurrency = 4\n\
+         [dispatch.hosts.\"other.example\"]\nmax_per_second = 0.5\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.dispatch.breaker.failures, 5);
+    assert_eq!(
+        c.dispatch.hosts["gw.example:8443"],
+        HostConfig {
+            max_per_second: Some(50.0),
+            concurrency: Some(4)
+        }
+    );
+    for (text, key, says) in [
+        (
+            "[dispatch.breaker]\nfailures = 0",
+            "dispatch.breaker.failures",
+            "must be ≥ 1",
+        ),
+        (
+            "[dispatch.breaker]\nprobe_secs = 0",
+            "dispatch.breaker.probe_secs",
+            "must be ≥ 1",
+        ),
+        (
+            "[dispatch.breaker]\nprobe_secs = 10\nmax_probe_secs = 5",
+            "dispatch.breaker.max_probe_secs",
+            "must be ≥ dispatch.breaker.probe_secs",
+        ),
+        (
+            "[dispatch.hosts.\"gw.example/cb\"]\nconcurrency = 2",
+            "dispatch.hosts.\"gw.example/cb\"",
+            "is not host or host:port",
+        ),
+        (
+            "[dispatch.hosts.\"gw.example:http\"]\nconcurrency = 2",
+            "dispatch.hosts.\"gw.example:http\"",
+            "is not host or host:port",
+        ),
+        (
+            "[dispatch.hosts.\"GW.example\"]\nconcurrency = 2\n[dispatch.hosts.\"gw.example\"]\nconcurrency = 3",
+            "dispatch.hosts.\"gw.example\"",
+            "names the same host",
+        ),
+        (
+            "[dispatch.hosts.\"gw.example\"]\nmax_per_second = 0",
+            "dispatch.hosts.\"gw.example\".max_per_second",
+            "must be > 0",
+        ),
+        (
+            "[dispatch.hosts.\"gw.example\"]\nconcurrency = 0",
+            "dispatch.hosts.\"gw.example\".concurrency",
+            "must be ≥ 1",
+        ),
+    ] {
+        let (refused, message) = refusal(text);
+        assert_eq!(refused, key, "{text}");
+        assert!(message.contains(says), "{text}: {message}");
+    }
+}

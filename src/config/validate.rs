@@ -12,6 +12,7 @@ use super::{
     ClientPem, Config, ConfigError, LEASE_MARGIN_MS, MAX_MIN_REPLICAS_ACKED,
     MAX_SWEEP_INTERVAL_SECS, StoreLocation, StoreTls, invalid,
 };
+use crate::dispatch::host_key;
 use crate::store::partitions::Partitions;
 use crate::store::redis::prefix::key_prefix_problem;
 
@@ -144,6 +145,7 @@ impl Config {
                 return Err(invalid(key, "must be greater than 0"));
             }
         }
+        self.validate_hosts()?;
         // Saturating, so an absurd value is refused (or accepted) rather than overflowing.
         let least_lease_ms = d.request_timeout_ms.saturating_add(LEASE_MARGIN_MS);
         if d.lease_secs.saturating_mul(1000) < least_lease_ms {
@@ -171,6 +173,47 @@ impl Config {
         }
         for (name, source) in &self.sources {
             source.validate(name, exposure)?;
+        }
+        Ok(())
+    }
+
+    /// `[dispatch.breaker]` and `[dispatch.hosts]`: each number in range, each host key a
+    /// `host` or `host:port` named once.
+    fn validate_hosts(&self) -> Result<(), ConfigError> {
+        let b = &self.dispatch.breaker;
+        if b.failures == 0 {
+            return Err(invalid("dispatch.breaker.failures", "must be ≥ 1"));
+        }
+        if b.probe_secs == 0 {
+            return Err(invalid("dispatch.breaker.probe_secs", "must be ≥ 1"));
+        }
+        if b.max_probe_secs < b.probe_secs {
+            return Err(invalid(
+                "dispatch.breaker.max_probe_secs",
+                format!("must be ≥ dispatch.breaker.probe_secs ({})", b.probe_secs),
+            ));
+        }
+        let mut seen = std::collections::BTreeMap::new();
+        for (key, host) in &self.dispatch.hosts {
+            let name = format!("dispatch.hosts.\"{key}\"");
+            let parsed = host_key::parse(key).map_err(|problem| invalid(&name, problem))?;
+            if let Some(other) = seen.insert(parsed, key) {
+                return Err(invalid(
+                    &name,
+                    format!("names the same host as \"{other}\""),
+                ));
+            }
+            if let Some(rate) = host.max_per_second
+                && !(rate.is_finite() && rate > 0.0 && rate <= 1_000_000.0)
+            {
+                return Err(invalid(
+                    format!("{name}.max_per_second"),
+                    "must be > 0 and at most 1000000",
+                ));
+            }
+            if host.concurrency == Some(0) {
+                return Err(invalid(format!("{name}.concurrency"), "must be ≥ 1"));
+            }
         }
         Ok(())
     }

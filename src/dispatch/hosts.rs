@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::host_key;
+
 /// The longest a message waits for a slot to its host, holding its lease but no permit.
 pub(super) const HOST_WAIT: Duration = Duration::from_millis(500);
 /// The soonest a message sent back for a busy host is due again.
@@ -28,6 +30,8 @@ const MAX_TRACKED_HOSTS: usize = 10_000;
 
 pub(super) struct Hosts {
     per_host: usize,
+    /// `dispatch.hosts."<host[:port]>".concurrency`, by lookup key.
+    overrides: HashMap<String, usize>,
     hosts: Mutex<HashMap<String, Arc<Host>>>,
     /// Messages waiting for a slot, over all hosts (`dispatch.concurrency` of them): claims
     /// stop when it is full, so a busy host's backlog stays in the store, not in memory.
@@ -37,6 +41,8 @@ pub(super) struct Hosts {
 
 struct Host {
     slots: Arc<Semaphore>,
+    /// Its slots: `dispatch.per_host_concurrency`, or its own `concurrency`.
+    per_host: usize,
     waiting: AtomicUsize,
     /// How long a request held a slot, smoothed (ms).
     hold_ms: AtomicU64,
@@ -69,13 +75,13 @@ pub(super) struct Waiter {
     host: Arc<Host>,
     _room: OwnedSemaphorePermit,
     epoch: Instant,
-    per_host: usize,
 }
 
 impl Hosts {
-    pub(super) fn new(per_host: usize, room: usize) -> Hosts {
+    pub(super) fn new(per_host: usize, room: usize, overrides: HashMap<String, usize>) -> Hosts {
         Hosts {
             per_host: per_host.max(1),
+            overrides,
             hosts: Mutex::new(HashMap::new()),
             room: Arc::new(Semaphore::new(room.max(1))),
             epoch: Instant::now(),
@@ -96,7 +102,7 @@ impl Hosts {
             return Admission::Send(Slot::new(permit, host, self.epoch));
         }
         let waiting = host.waiting.load(Ordering::Relaxed);
-        let expected = host.slot_time(self.epoch) * (waiting as u32 + 1) / self.per_host as u32;
+        let expected = host.slot_time(self.epoch) * (waiting as u32 + 1) / host.per_host as u32;
         if expected < HOST_WAIT
             && let Ok(room) = self.room.clone().try_acquire_owned()
         {
@@ -105,25 +111,25 @@ impl Hosts {
                 host,
                 _room: room,
                 epoch: self.epoch,
-                per_host: self.per_host,
             });
         }
-        Admission::Defer(host.defer(self.epoch, self.per_host))
+        Admission::Defer(host.defer(self.epoch))
     }
 
     fn host(&self, url: &str) -> Option<Arc<Host>> {
         // host:port, so two services on one machine are two targets.
-        let key = reqwest::Url::parse(url)
-            .ok()
-            .and_then(|u| {
-                let port = u.port_or_known_default().unwrap_or(0);
-                u.host_str().map(|h| format!("{h}:{port}"))
-            })
-            .unwrap_or_default();
+        let key = host_key::of_url(url).unwrap_or_default();
+        let per_host = self
+            .overrides
+            .get(&key)
+            .or_else(|| self.overrides.get(host_key::bare(&key)))
+            .copied()
+            .unwrap_or(self.per_host)
+            .max(1);
         let mut hosts = self.hosts.lock().ok()?;
         if hosts.len() >= MAX_TRACKED_HOSTS {
             hosts.retain(|_, h| {
-                h.slots.available_permits() < self.per_host || h.waiting.load(Ordering::Relaxed) > 0
+                h.slots.available_permits() < h.per_host || h.waiting.load(Ordering::Relaxed) > 0
             });
         }
         let since_epoch = self.epoch.elapsed().as_millis() as u64;
@@ -132,7 +138,8 @@ impl Hosts {
                 .entry(key)
                 .or_insert_with(|| {
                     Arc::new(Host {
-                        slots: Arc::new(Semaphore::new(self.per_host)),
+                        slots: Arc::new(Semaphore::new(per_host)),
+                        per_host,
                         waiting: AtomicUsize::new(0),
                         hold_ms: AtomicU64::new(0),
                         freed_at_ms: AtomicU64::new(since_epoch),
@@ -156,9 +163,9 @@ impl Host {
 
     /// When a message sent back now is due again: after the slot time of every message sent
     /// back before it, shared over the host's slots.
-    fn defer(&self, epoch: Instant, per_host: usize) -> Duration {
+    fn defer(&self, epoch: Instant) -> Duration {
         let ahead = self.sent_back.fetch_add(1, Ordering::Relaxed);
-        let share = 1 + ahead / per_host as u32;
+        let share = 1 + ahead / self.per_host as u32;
         self.slot_time(epoch)
             .saturating_mul(share)
             .clamp(MIN_DEFER, MAX_DEFER)
@@ -196,7 +203,7 @@ impl Waiter {
         let acquired = tokio::time::timeout(limit, self.host.slots.clone().acquire_owned()).await;
         match acquired {
             Ok(Ok(permit)) => Ok(Slot::new(permit, self.host.clone(), self.epoch)),
-            _ => Err(self.host.defer(self.epoch, self.per_host)),
+            _ => Err(self.host.defer(self.epoch)),
         }
     }
 }
@@ -213,7 +220,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_host_whose_slots_stay_taken_sends_its_messages_back_ever_later() {
-        let hosts = Hosts::new(1, 64);
+        let hosts = Hosts::new(1, 64, HashMap::new());
         let url = "http://dead.example:80/hook";
         let held: Vec<Slot> = (0..1)
             .map(|_| match hosts.admit(url) {
@@ -246,7 +253,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_busy_fast_host_lets_its_next_messages_wait_for_a_slot() {
-        let hosts = Hosts::new(1, 4);
+        let hosts = Hosts::new(1, 4, HashMap::new());
         let url = "http://busy.example/hook";
         let Admission::Send(slot) = hosts.admit(url) else {
             panic!("a free host sends at once");
@@ -263,5 +270,21 @@ mod tests {
             "the freed slot goes to the waiter"
         );
         assert_eq!(hosts.room(), 4, "its place in the room is given back");
+    }
+
+    #[tokio::test]
+    async fn a_host_with_its_own_concurrency_gets_that_many_slots() {
+        let overrides = HashMap::from([("own.example".to_string(), 3)]);
+        let hosts = Hosts::new(1, 64, overrides);
+        let sends = |url: &str| {
+            // Kept until counted, so no slot is given back early.
+            let admitted: Vec<Admission> = (0..5).map(|_| hosts.admit(url)).collect();
+            admitted
+                .iter()
+                .filter(|a| matches!(a, Admission::Send(_)))
+                .count()
+        };
+        assert_eq!(sends("http://own.example:8080/hook"), 3);
+        assert_eq!(sends("http://other.example/hook"), 1);
     }
 }

@@ -9,8 +9,15 @@
 //! global permit only once it holds a slot to its host. A claim takes at most one host's
 //! worth of messages, and no more than the waiting room for slots can hold.
 
+pub mod board;
 pub mod delivery;
+pub mod gate;
+mod guards;
+pub mod host_key;
 mod hosts;
+
+pub use board::{HeldHost, HostBoard};
+pub use gate::{GateState, HoldReason};
 
 use crate::clock::Millis;
 use std::collections::HashMap;
@@ -28,8 +35,12 @@ use crate::clock::millis;
 use crate::clock::{Clock, format_delay, format_iso};
 use crate::metrics as m;
 use crate::stats::DeliveryStats;
-use crate::store::lifecycle::policy::{self, AttemptResult, DeathReason, FailureClass, Verdict};
+use crate::store::lifecycle::policy::{
+    self, AttemptResult, DeathReason, FailureClass, Held, Verdict,
+};
 use crate::store::{Completion, DeliveryAttempt, Lease, MessageKind, Store};
+use gate::Transition;
+use guards::{Guards, Ticket};
 use hosts::{Admission, HOST_WAIT, Hosts, Slot};
 
 /// How long an idle worker waits before polling the store again. Work accepted by this
@@ -52,8 +63,12 @@ pub struct Dispatcher {
     guarded: reqwest::Client,
     open: reqwest::Client,
     settings: DispatchSettings,
+    /// One host's worth: the largest per-host concurrency configured.
+    claim_size: usize,
     permits: Arc<Semaphore>,
     hosts: Hosts,
+    /// Each host's throttle, breaker and rate (`gate.rs`): whether a claimed message may go.
+    guards: Arc<Guards>,
     /// Each source's forward headers, signing key and SSRF policy.
     sources: Sources,
     /// Claims being delivered, so shutdown can hand their leases back.
@@ -118,7 +133,20 @@ impl Dispatcher {
             open: client(true)?,
             permits: Arc::new(Semaphore::new(d.concurrency)),
             settings: d.clone(),
-            hosts: Hosts::new(d.per_host_concurrency, d.concurrency),
+            claim_size: d
+                .hosts
+                .values()
+                .filter_map(|h| h.concurrency)
+                .fold(d.per_host_concurrency, usize::max),
+            hosts: Hosts::new(
+                d.per_host_concurrency,
+                d.concurrency,
+                d.hosts
+                    .iter()
+                    .filter_map(|(k, h)| h.concurrency.map(|c| (k.clone(), c)))
+                    .collect(),
+            ),
+            guards: Arc::new(Guards::new(d)),
             sources: settings.sources.clone(),
             in_flight: Mutex::new(HashMap::new()),
             wake,
@@ -132,6 +160,18 @@ impl Dispatcher {
             ),
             alerts,
         })
+    }
+
+    /// The hosts this process holds back now (breaker open, or throttled).
+    pub fn held_hosts(&self) -> Vec<HeldHost> {
+        self.guards.held(self.clock.now_ms())
+    }
+
+    /// Shows this dispatcher's held hosts on `board` (the admin API's).
+    pub fn with_board(self, board: &HostBoard) -> Dispatcher {
+        let (guards, clock) = (Arc::clone(&self.guards), Arc::clone(&self.clock));
+        board.publish(move || guards.held(clock.now_ms()));
+        self
     }
 
     /// Counts every attempt in `stats` (the console's deliveries-per-minute chart).
@@ -154,7 +194,7 @@ impl Dispatcher {
             .available_permits()
             .min(self.hosts.room())
             .min(CLAIM_BATCH)
-            .min(self.settings.per_host_concurrency);
+            .min(self.claim_size);
         if free == 0 {
             return 0;
         }
@@ -178,14 +218,32 @@ impl Dispatcher {
             self.track(&c);
             let this = Arc::clone(self);
             let span = tracing::info_span!("delivery", message_id = %c.message.id, attempt = c.attempts + 1);
+            let host = host_key::of_url(&url).unwrap_or_default();
+            // The host's gate first: a throttled or open host, or one over its rate, gets no
+            // attempt, and its message waits in the store.
+            let (ticket, wait_ms) = match self.guards.admit(&host, c.message.id.as_str(), now) {
+                Ok(go) => go,
+                Err((until, reason)) => {
+                    tasks.spawn(async move { this.hold(&c, until, reason).await }.instrument(span));
+                    continue;
+                }
+            };
             // Admitted here, not in the task: the permits and the waiting room it takes must
-            // be gone before the next claim is sized by them.
-            let admission = self.hosts.admit(&url);
+            // be gone before the next claim is sized by them. A message waiting for its rate
+            // token takes neither until its token is due.
+            let admission = (wait_ms == 0).then(|| self.hosts.admit(&url));
             let permit = match &admission {
-                Admission::Send(_) => self.permits.clone().try_acquire_owned().ok(),
+                Some(Admission::Send(_)) => self.permits.clone().try_acquire_owned().ok(),
                 _ => None,
             };
             let work = async move {
+                let admission = match admission {
+                    Some(admission) => admission,
+                    None => {
+                        tokio::time::sleep(Duration::from_millis(wait_ms as u64)).await;
+                        this.hosts.admit(&url)
+                    }
+                };
                 let slot = match admission {
                     Admission::Send(slot) => slot,
                     Admission::Wait(waiter) => match waiter.slot(HOST_WAIT).await {
@@ -203,11 +261,50 @@ impl Dispatcher {
                         Err(_) => return this.untrack(&c),
                     },
                 };
-                this.deliver(c, url, permit, slot).await;
+                this.deliver(c, url, permit, slot, ticket).await;
             };
             tasks.spawn(work.instrument(span));
         }
         count
+    }
+
+    /// A message its host's gate holds back: back to the queue until `until`, no attempt made
+    /// or recorded; or, its window over, dead for the reason its host was held.
+    async fn hold(&self, c: &Lease, until: Millis, reason: HoldReason) {
+        let now = self.clock.now_ms();
+        let death = match reason {
+            HoldReason::Open => Some(DeathReason::BreakerOpen),
+            HoldReason::Throttled => Some(DeathReason::Throttled),
+            HoldReason::Ramp | HoldReason::Rate => None,
+        };
+        match policy::hold(c.deadline, now, until, death) {
+            Held::Until(due) => {
+                match self.store.release(c, due).await {
+                    // A signalled worker polls seldom: it wakes for this itself.
+                    Ok(_) => self.retry_at(due),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot give back a held lease; it expires by itself")
+                    }
+                }
+                self.untrack(c);
+            }
+            Held::Dead(reason) => {
+                // No request was made: the history's row says why the message died unsent.
+                let attempt = DeliveryAttempt {
+                    attempt: c.attempts + 1,
+                    at: now,
+                    status: None,
+                    error: Some(reason.as_str().to_string()),
+                    latency_ms: None,
+                    response: None,
+                };
+                metrics::counter!(m::DEAD_LETTERS, "kind" => m::kind(c.message.kind), "reason" => reason.as_str())
+                    .increment(1);
+                tracing::info!(outcome = %"dead", reason = %reason.as_str(), "held back until its deadline");
+                self.finish(c, attempt, Verdict::Dead(reason), now).await;
+                self.untrack(c);
+            }
+        }
     }
 
     /// Gives a lease back whose host has no slot for it, due again after `delay`.
@@ -367,7 +464,14 @@ impl Dispatcher {
 
     /// Delivers `c` to `url` and records the outcome, holding a global permit and a slot
     /// to the host until it is recorded.
-    async fn deliver(&self, c: Lease, url: String, _permit: OwnedSemaphorePermit, _slot: Slot) {
+    async fn deliver(
+        &self,
+        c: Lease,
+        url: String,
+        _permit: OwnedSemaphorePermit,
+        _slot: Slot,
+        ticket: Ticket,
+    ) {
         let alert_target = self.alerts.as_ref().filter(|_| is_alert(&c.message));
         let forward = match alert_target {
             // Alerts are signed with the alert secret, so the receiver can trust them, and go
@@ -416,6 +520,10 @@ impl Dispatcher {
             now,
             rand::random::<f64>(),
         );
+        let host = ticket.host.clone();
+        if let Some(transition) = ticket.record(policy::host_signal(&result, now), now) {
+            self.announce_host(&host, transition, &result, now).await;
+        }
         self.record_metrics(&c, &result, verdict, latency);
         log_failure(&result, verdict, now);
         if let Some(stats) = &self.stats {
@@ -429,24 +537,74 @@ impl Dispatcher {
             latency_ms: Some(latency.as_millis() as u64),
             response: result.response.clone(),
         };
-        match self.announce_death(&c, &attempt, verdict, now).await {
+        self.finish(&c, attempt, verdict, now).await;
+        self.untrack(&c);
+    }
+
+    /// Announces a death (if it is one), then records the outcome.
+    async fn finish(&self, c: &Lease, attempt: DeliveryAttempt, verdict: Verdict, now: Millis) {
+        match self.announce_death(c, &attempt, verdict, now).await {
             // Not recorded: the lease runs out and the attempt is made again, so the death
             // is announced then rather than never.
             Announcement::Failed => {}
             Announcement::Done => {
-                self.settle(&c, attempt, verdict, now).await;
+                self.settle(c, attempt, verdict, now).await;
             }
             // Counted once recorded, so an attempt made again after a lost lease is not
             // counted twice.
             Announcement::Coalesce(reason) => {
-                if self.settle(&c, attempt, verdict, now).await
+                if self.settle(c, attempt, verdict, now).await
                     && let Ok(mut budget) = self.budget.lock()
                 {
                     budget.coalesce(now, &c.message.id, reason);
                 }
             }
         }
-        self.untrack(&c);
+    }
+
+    /// Logs a host's breaker opening or closing, and records its alert (one per change, not
+    /// one per message). An alert that cannot be recorded is logged and not retried: the
+    /// metrics still show the state.
+    async fn announce_host(
+        &self,
+        host: &str,
+        transition: Transition,
+        result: &AttemptResult,
+        now: Millis,
+    ) {
+        match transition {
+            Transition::Opened => tracing::warn!(
+                host,
+                status = result.status,
+                error = result.error.map(|e| e.as_str()),
+                "circuit breaker open: the host gets one probe per interval"
+            ),
+            Transition::Recovered => {
+                tracing::info!(host, "circuit breaker closed: the host answered a probe")
+            }
+        }
+        let Some(alerts) = &self.alerts else {
+            return;
+        };
+        let request = alerts.host(
+            host,
+            transition == Transition::Opened,
+            result,
+            now,
+            self.store.partitions(),
+        );
+        match self.store.accept(request, now).await {
+            Ok(_) => {
+                let [opened, recovered] = m::HOST_ALERT_REASONS;
+                let reason = match transition {
+                    Transition::Opened => opened,
+                    Transition::Recovered => recovered,
+                };
+                metrics::counter!(m::ALERTS, "reason" => reason).increment(1);
+                self.wake.notify_one();
+            }
+            Err(e) => tracing::warn!(error = %e, host, "cannot record the host's breaker alert"),
+        }
     }
 
     /// Accepts the dead-letter alert for a message this attempt kills, before its death is

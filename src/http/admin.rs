@@ -175,3 +175,65 @@ pub async fn resend(
     let reply = resend::run(app, asked).await?;
     Ok(raw_json(StatusCode::OK, reply.body, reply.replayed))
 }
+
+/// A host this process holds back.
+#[derive(Debug, serde::Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HeldHostView {
+    /// `host:port`.
+    pub host: String,
+    /// `open` (its circuit breaker), `throttled` (it asked for a pause), or both.
+    pub state: Vec<String>,
+    /// When its breaker opened (RFC 3339), if open.
+    pub open_since: Option<String>,
+    /// When its pause began and ends (RFC 3339), if throttled.
+    pub throttled_since: Option<String>,
+    pub throttled_until: Option<String>,
+    /// Consecutive failed attempts (no answer, a 5xx).
+    pub consecutive_failures: u32,
+    /// Distinct messages held back for it since it was held (counted up to 100000).
+    pub waiting: usize,
+}
+
+/// The hosts held back.
+#[derive(Debug, serde::Serialize, ToSchema)]
+pub struct HeldHosts {
+    pub hosts: Vec<HeldHostView>,
+}
+
+/// List the hosts this process holds back now: its circuit breaker open, or throttled by a
+/// `429` / `Retry-After`. Each process keeps its own; an ingest-only process lists none.
+#[utoipa::path(
+    get,
+    path = "/v1/admin/hosts",
+    responses(
+        (status = 200, description = "The hosts held back", body = HeldHosts),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+    ),
+    security(("admin" = [])),
+    tag = "ops"
+)]
+pub async fn held_hosts(_: Admin, State(app): State<Arc<App>>) -> Json<HeldHosts> {
+    let iso = |at: Option<crate::clock::Millis>| at.map(crate::clock::format_iso);
+    let hosts = app
+        .held_hosts
+        .list()
+        .into_iter()
+        .map(|h| HeldHostView {
+            state: [
+                h.open_since.map(|_| "open".to_string()),
+                h.throttled_until.map(|_| "throttled".to_string()),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
+            host: h.host,
+            open_since: iso(h.open_since),
+            throttled_since: iso(h.throttled_since),
+            throttled_until: iso(h.throttled_until),
+            consecutive_failures: h.failures,
+            waiting: h.waiting,
+        })
+        .collect();
+    Json(HeldHosts { hosts })
+}

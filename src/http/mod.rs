@@ -74,6 +74,7 @@ pub fn routes() -> Vec<Route> {
         route(Method::GET, "/v1/messages", admin::list_messages),
         route(Method::GET, "/v1/messages/{id}", admin::get_message),
         route(Method::POST, "/v1/admin/resend", admin::resend),
+        route(Method::GET, "/v1/admin/hosts", admin::held_hosts),
         route(Method::GET, "/healthz", health::healthz),
         route(Method::GET, "/readyz", health::readyz),
         route(Method::GET, "/metrics", health::metrics),

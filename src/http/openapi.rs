@@ -21,6 +21,7 @@ use crate::store::ids::PATTERN as MESSAGE_ID;
         admin::get_message,
         admin::list_messages,
         admin::resend,
+        admin::held_hosts,
         health::healthz,
         health::readyz,
         health::metrics,

@@ -21,6 +21,8 @@ pub struct Received {
     pub uri: String,
     pub headers: HeaderMap,
     pub body: String,
+    /// When it arrived (headers and body read).
+    pub at: std::time::Instant,
 }
 
 impl Received {
@@ -194,7 +196,40 @@ impl Sink {
         .await
     }
 
+    /// Like [`Sink::start`], on a port chosen by the test (one that refused connections until
+    /// now, say).
+    pub async fn start_on(
+        port: u16,
+        responder: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static,
+    ) -> Sink {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("the chosen port is free");
+        Sink::serve_on(
+            listener,
+            Box::new(move |r, n| {
+                let answer = Answer {
+                    reply: responder(r, n),
+                    content_type: None,
+                    body: Vec::new(),
+                };
+                Box::pin(async move { answer })
+            }),
+            true,
+        )
+        .await
+    }
+
     async fn serve(responder: Box<Responder>, record: bool) -> Sink {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Sink::serve_on(listener, responder, record).await
+    }
+
+    async fn serve_on(
+        listener: tokio::net::TcpListener,
+        responder: Box<Responder>,
+        record: bool,
+    ) -> Sink {
         let inner = Arc::new(Inner {
             received: Mutex::new(Vec::new()),
             record,
@@ -203,7 +238,6 @@ impl Sink {
             in_flight: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let app = axum::Router::new()
             .fallback(handle)
@@ -247,6 +281,7 @@ async fn handle(
         uri: uri.to_string(),
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
+        at: std::time::Instant::now(),
     };
     let _in_flight = InFlight::enter(&inner);
     let index = if inner.record {

@@ -114,15 +114,26 @@ pub enum DeathReason {
     Gone,
     /// The delivery window ran out.
     Expired,
+    /// The window ran out while its host's circuit breaker was open: held back, not tried.
+    BreakerOpen,
+    /// The window ran out while its host asked to be left alone (`429`, `Retry-After`).
+    Throttled,
 }
 
 impl DeathReason {
-    pub const ALL: [DeathReason; 2] = [DeathReason::Gone, DeathReason::Expired];
+    pub const ALL: [DeathReason; 4] = [
+        DeathReason::Gone,
+        DeathReason::Expired,
+        DeathReason::BreakerOpen,
+        DeathReason::Throttled,
+    ];
 
     pub const fn as_str(self) -> &'static str {
         match self {
             DeathReason::Gone => "gone",
             DeathReason::Expired => "expired",
+            DeathReason::BreakerOpen => "breaker_open",
+            DeathReason::Throttled => "throttled",
         }
     }
 }
@@ -168,6 +179,61 @@ pub fn classify(
             Next::GiveUp => Verdict::Dead(DeathReason::Expired),
         },
     }
+}
+
+/// What an attempt says about its host, for the host's gate (`dispatch/gate.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostSignal {
+    /// The host answered and is not overloaded (a 2xx, a 4xx other than 429, ...): it is up.
+    Answered,
+    /// No answer (timeout, refused connection...) or a 5xx: counts towards opening its breaker.
+    Failed,
+    /// It asked to be left alone until then: a `429`, or a `503` with `Retry-After`.
+    Throttled(Millis),
+}
+
+/// How long a `429` without `Retry-After` pauses its host: it asked for less traffic without
+/// saying for how long.
+pub const THROTTLE_WITHOUT_RETRY_AFTER_MS: u64 = 1_000;
+
+/// What `result`, at `now`, says about its host. `Retry-After` is capped as for the message
+/// ([`MAX_RETRY_AFTER_MS`]); a date in the past pauses nothing beyond `now`.
+pub fn host_signal(result: &AttemptResult, now: Millis) -> HostSignal {
+    let asked = result.retry_after.map(|r| r.delay_ms(now));
+    let pause = |ms: u64| {
+        HostSignal::Throttled(
+            now.saturating_add(i64::try_from(ms.min(MAX_RETRY_AFTER_MS)).unwrap_or(i64::MAX)),
+        )
+    };
+    match (result.status, asked) {
+        (Some(429), asked) => pause(asked.unwrap_or(THROTTLE_WITHOUT_RETRY_AFTER_MS)),
+        (Some(503), Some(ms)) => pause(ms),
+        (Some(s), _) if s >= 500 => HostSignal::Failed,
+        (Some(_), _) => HostSignal::Answered,
+        // A URL that does not parse or an address refused by the SSRF guard never reached the
+        // host: it says nothing about it.
+        (None, _) => match result.error {
+            Some(AttemptError::BadUrl | AttemptError::RefusedAddress) => HostSignal::Answered,
+            _ => HostSignal::Failed,
+        },
+    }
+}
+
+/// What becomes of a message its host's gate holds back until `until` (no attempt made):
+/// back in the queue until then, never past its deadline; at the deadline it is dead, for
+/// `reason` (the breaker, the throttle), or as expired when only the rate held it.
+pub fn hold(deadline: Millis, now: Millis, until: Millis, reason: Option<DeathReason>) -> Held {
+    if now >= deadline {
+        return Held::Dead(reason.unwrap_or(DeathReason::Expired));
+    }
+    Held::Until(until.min(deadline))
+}
+
+/// See [`hold`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    Until(Millis),
+    Dead(DeathReason),
 }
 
 /// What to do after a failed attempt.
@@ -392,6 +458,68 @@ mod tests {
         );
     }
 
+    #[test]
+    fn host_signals() {
+        let with = |s: u16, retry_after: Option<RetryAfter>| AttemptResult {
+            retry_after,
+            ..status(s)
+        };
+        assert_eq!(host_signal(&status(204), 5), HostSignal::Answered);
+        assert_eq!(host_signal(&status(404), 5), HostSignal::Answered);
+        assert_eq!(host_signal(&status(500), 5), HostSignal::Failed);
+        assert_eq!(host_signal(&status(503), 5), HostSignal::Failed);
+        assert_eq!(
+            host_signal(&with(503, Some(RetryAfter::DelayMs(3_000))), 5),
+            HostSignal::Throttled(3_005)
+        );
+        assert_eq!(
+            host_signal(&with(429, Some(RetryAfter::At(9_000))), 5),
+            HostSignal::Throttled(9_000)
+        );
+        assert_eq!(
+            host_signal(&status(429), 5),
+            HostSignal::Throttled(1_005),
+            "a 429 without Retry-After"
+        );
+        assert_eq!(
+            host_signal(&with(429, Some(RetryAfter::DelayMs(u64::MAX))), 0),
+            HostSignal::Throttled(MAX_RETRY_AFTER_MS as Millis),
+            "capped at 24 h"
+        );
+        for (error, signal) in [
+            (AttemptError::Timeout, HostSignal::Failed),
+            (AttemptError::Connect, HostSignal::Failed),
+            (AttemptError::Request, HostSignal::Failed),
+            (AttemptError::BadUrl, HostSignal::Answered),
+            (AttemptError::RefusedAddress, HostSignal::Answered),
+        ] {
+            let r = AttemptResult {
+                status: None,
+                error: Some(error),
+                retry_after: None,
+                response: None,
+            };
+            assert_eq!(host_signal(&r, 0), signal, "{error:?}");
+        }
+    }
+
+    #[test]
+    fn a_held_message_waits_but_not_past_its_deadline() {
+        assert_eq!(hold(10_000, 0, 3_000, None), Held::Until(3_000));
+        assert_eq!(
+            hold(10_000, 0, 30_000, Some(DeathReason::BreakerOpen)),
+            Held::Until(10_000)
+        );
+        assert_eq!(
+            hold(10_000, 10_000, 30_000, Some(DeathReason::BreakerOpen)),
+            Held::Dead(DeathReason::BreakerOpen)
+        );
+        assert_eq!(
+            hold(10_000, 12_000, 30_000, None),
+            Held::Dead(DeathReason::Expired)
+        );
+    }
+
     fn class(result: &AttemptResult) -> Option<&'static str> {
         FailureClass::of(result).map(FailureClass::as_str)
     }
@@ -439,7 +567,7 @@ mod tests {
         );
         assert_eq!(
             DeathReason::ALL.map(DeathReason::as_str),
-            ["gone", "expired"]
+            ["gone", "expired", "breaker_open", "throttled"]
         );
     }
 
