@@ -162,18 +162,7 @@ impl Sink {
     pub async fn start_unrecorded(
         responder: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static,
     ) -> Sink {
-        Sink::serve(
-            Box::new(move |r, n| {
-                let answer = Answer {
-                    reply: responder(r, n),
-                    content_type: None,
-                    body: Vec::new(),
-                };
-                Box::pin(async move { answer })
-            }),
-            false,
-        )
-        .await
+        Sink::serve(plain(responder), false).await
     }
 
     /// Like [`Sink::start`], but the answer is a future: it may wait for a [`Gate`].
@@ -205,19 +194,7 @@ impl Sink {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
             .await
             .expect("the chosen port is free");
-        Sink::serve_on(
-            listener,
-            Box::new(move |r, n| {
-                let answer = Answer {
-                    reply: responder(r, n),
-                    content_type: None,
-                    body: Vec::new(),
-                };
-                Box::pin(async move { answer })
-            }),
-            true,
-        )
-        .await
+        Sink::serve_on(listener, plain(responder), true).await
     }
 
     async fn serve(responder: Box<Responder>, record: bool) -> Sink {
@@ -316,4 +293,16 @@ async fn handle(
             .insert("retry-after", ra.parse().unwrap());
     }
     response
+}
+
+/// A responder that answers `responder`'s reply with an empty body.
+fn plain(responder: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static) -> Box<Responder> {
+    Box::new(move |r, n| {
+        let answer = Answer {
+            reply: responder(r, n),
+            content_type: None,
+            body: Vec::new(),
+        };
+        Box::pin(async move { answer })
+    })
 }
