@@ -17,7 +17,9 @@
 //!   return effects, its policy says what an answer means), and the engines,
 //!   `store/sqlite/`, `store/redis/` and `store/postgres/`, apply what it decides;
 //! - `dispatch/`: the workers that claim, deliver and complete, within per-host slots
-//!   (`dispatch/hosts.rs`); `ssrf.rs` the addresses a delivery may reach;
+//!   (`dispatch/hosts.rs`) and each host's gate (`gate.rs`: breaker, throttle, rate;
+//!   `guards.rs` keeps one per host); `announce.rs` records alerts and digests; `ssrf.rs` the
+//!   addresses a delivery may reach;
 //! - `config/`: the file, its checks and the typed settings built from it once;
 //! - `alerts.rs`, `metrics.rs`, `trace.rs`, `redact.rs`: what operators watch and see.
 //!
