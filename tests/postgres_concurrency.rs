@@ -288,6 +288,7 @@ async fn concurrent_accepts_share_commits_and_are_all_durable() {
     let commits = store.accept_commits() - before;
     eprintln!("{N} concurrent accepts committed in {commits} transactions");
     assert!(commits <= (N / 2) as u64, "{N} accepts, {commits} commits");
+    assert_eq!(store.accept_batches_one_by_one(), 0, "written as sets");
     // Durable: another store, on connections of its own, reads every one.
     drop(store);
     let other = migrated(&url, &PostgresOptions::default()).await;
@@ -298,6 +299,16 @@ async fn concurrent_accepts_share_commits_and_are_all_durable() {
         );
     }
     assert_eq!(other.depth().await.expect("depth").pending, N as u64 + 1);
+    // A batch made exactly one head per ordering key due, whatever its order: the first of
+    // each key it wrote (8 keys, and the warm-up's own).
+    let heads = other.claim_due(now(), N, 60_000).await.expect("claims");
+    let mut keys: Vec<_> = heads
+        .iter()
+        .map(|l| l.message.ordering_key.clone())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!((heads.len(), keys.len()), (9, 9), "one head per key");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -322,6 +333,7 @@ async fn one_key_twice_in_one_batch_is_one_accept_and_one_replay() {
         ACCEPT_WORKERS as u64 + 1,
         "the blocking batches, then both in one"
     );
+    assert_eq!(store.accept_batches_one_by_one(), 0, "decided as a set");
     outcomes.sort_by_key(|o| format!("{o:?}"));
     assert!(
         matches!(
@@ -367,6 +379,11 @@ async fn an_accept_failing_in_a_batch_fails_alone() {
         outcomes.push(call.await.expect("joins"));
     }
     assert_eq!(store.accept_commits() - before, ACCEPT_WORKERS as u64 + 1);
+    assert_eq!(
+        store.accept_batches_one_by_one(),
+        1,
+        "the set write was refused, then run one by one"
+    );
     let failed = match (&outcomes[0], &outcomes[1]) {
         (Ok(AcceptOutcome::Accepted), Err(StoreError::Unavailable(_))) => ("bad", "k-bad"),
         (Err(StoreError::Unavailable(_)), Ok(AcceptOutcome::Accepted)) => ("good", "k-good"),

@@ -9,6 +9,7 @@
 
 use deadpool_postgres::{Client, Transaction};
 
+use super::accept_set::accept_as_sets;
 use super::commands::move_in_queue;
 use super::days::{Days, end_day};
 use super::error::{Db, column, corrupt};
@@ -25,18 +26,44 @@ pub(super) struct Queued {
     pub lifetimes: Lifetimes,
 }
 
-/// Runs `batch` in one transaction, each accept in a savepoint, and commits once. `Ok` holds
-/// each accept's own outcome, in order, all committed (an accept that failed was rolled back
-/// to its savepoint, alone); `Err` is a failure of the whole batch (beginning, locking,
-/// committing, or a connection lost part-way), after which none of it is recorded.
+/// A committed batch: each accept's own outcome, in order (an accept that failed wrote
+/// nothing, alone), and whether the batch had to be run one accept at a time.
+pub(super) struct Committed {
+    pub outcomes: Vec<Result<AcceptOutcome, StoreError>>,
+    pub one_by_one: bool,
+}
+
+/// Runs `batch` in one transaction and commits once. `Err` is a failure of the whole batch
+/// (beginning, locking, committing, or a connection lost part-way), after which none of it is
+/// recorded.
+///
+/// The batch is first decided and written as sets (`accept_set.rs`); a write the server
+/// refuses there fails every row of its statement, so the batch is then run again one accept
+/// at a time, each in a savepoint, where that accept fails alone.
 pub(super) async fn accept_batch(
     client: &mut Client,
     days: &Days,
     batch: &[Queued],
-) -> Result<Vec<Result<AcceptOutcome, StoreError>>, StoreError> {
-    let mut tx = client.transaction().await.db()?;
-    // Every lock of the batch first, in one order (`locks.rs`): two batches, here or in other
-    // processes, then never wait for each other in a circle, whichever keys they share.
+) -> Result<Committed, StoreError> {
+    let tx = client.transaction().await.db()?;
+    lock_all(&tx, &batch_locks(batch)).await?;
+    let (outcomes, one_by_one) = match accept_as_sets(&tx, days, batch).await {
+        Ok(outcomes) => (commit(tx, batch, outcomes).await?, false),
+        Err(e) => {
+            tracing::debug!(error = %e, accepts = batch.len(), "a batch's set write failed; accepting one by one");
+            tx.rollback().await.db()?;
+            (accept_one_by_one(client, days, batch).await?, true)
+        }
+    };
+    Ok(Committed {
+        outcomes,
+        one_by_one,
+    })
+}
+
+/// Every lock of the batch, taken first and in one order (`locks.rs`): two batches, here or
+/// in other processes, then never wait for each other in a circle, whichever keys they share.
+fn batch_locks(batch: &[Queued]) -> Vec<(Lock, &str)> {
     let mut locks: Vec<(Lock, &str)> = Vec::with_capacity(batch.len() * 4);
     for q in batch {
         let req = &q.req;
@@ -49,7 +76,17 @@ pub(super) async fn accept_batch(
         }
         locks.push((Lock::OrderingKey, &req.message.ordering_key));
     }
-    lock_all(&tx, &locks).await?;
+    locks
+}
+
+/// Each accept of `batch` in a savepoint of its own, so one that fails is undone alone.
+async fn accept_one_by_one(
+    client: &mut Client,
+    days: &Days,
+    batch: &[Queued],
+) -> Result<Vec<Result<AcceptOutcome, StoreError>>, StoreError> {
+    let mut tx = client.transaction().await.db()?;
+    lock_all(&tx, &batch_locks(batch)).await?;
     let mut outcomes = Vec::with_capacity(batch.len());
     for queued in batch {
         let savepoint = tx.savepoint("accept").await.db()?;
@@ -66,6 +103,14 @@ pub(super) async fn accept_batch(
             }
         }
     }
+    commit(tx, batch, outcomes).await
+}
+
+async fn commit(
+    tx: Transaction<'_>,
+    batch: &[Queued],
+    outcomes: Vec<Result<AcceptOutcome, StoreError>>,
+) -> Result<Vec<Result<AcceptOutcome, StoreError>>, StoreError> {
     wait_for_the_standby_of_what_was_read(&tx, batch, &outcomes).await?;
     tx.commit().await.db()?;
     Ok(outcomes)

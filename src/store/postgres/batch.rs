@@ -41,6 +41,15 @@ pub const ACCEPT_WORKERS: usize = 4;
 /// Accepts waiting for a worker; past it callers wait for room (backpressure).
 const QUEUE_CAPACITY: usize = 1024;
 
+/// What the group-commit tests count.
+#[derive(Default)]
+struct Counts {
+    /// Batches committed.
+    commits: AtomicU64,
+    /// Batches the server refused as sets, run one accept at a time.
+    one_by_one: AtomicU64,
+}
+
 struct Job {
     queued: Queued,
     reply: oneshot::Sender<Result<AcceptOutcome, StoreError>>,
@@ -49,8 +58,7 @@ struct Job {
 /// The store's handle on its batch workers, which stop once it is dropped (their queue closes).
 pub(super) struct Batcher {
     queue: mpsc::Sender<Job>,
-    /// Batches committed: what the group-commit tests count.
-    commits: Arc<AtomicU64>,
+    counts: Arc<Counts>,
     timeout: Duration,
 }
 
@@ -59,19 +67,19 @@ impl Batcher {
     pub(super) fn start(db: Arc<Database>, days: Arc<Days>) -> Batcher {
         let (queue, jobs) = mpsc::channel(QUEUE_CAPACITY);
         let jobs = Arc::new(Mutex::new(jobs));
-        let commits = Arc::new(AtomicU64::new(0));
+        let counts = Arc::new(Counts::default());
         let timeout = db.timeout();
         for _ in 0..ACCEPT_WORKERS {
             tokio::spawn(work(
                 Arc::clone(&jobs),
                 Arc::clone(&db),
                 Arc::clone(&days),
-                Arc::clone(&commits),
+                Arc::clone(&counts),
             ));
         }
         Batcher {
             queue,
-            commits,
+            counts,
             timeout,
         }
     }
@@ -120,7 +128,11 @@ impl Batcher {
     }
 
     pub(super) fn commits(&self) -> u64 {
-        self.commits.load(Ordering::Relaxed)
+        self.counts.commits.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn one_by_one(&self) -> u64 {
+        self.counts.one_by_one.load(Ordering::Relaxed)
     }
 }
 
@@ -134,7 +146,7 @@ async fn work(
     jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
     db: Arc<Database>,
     days: Arc<Days>,
-    commits: Arc<AtomicU64>,
+    counts: Arc<Counts>,
 ) {
     loop {
         let mut batch = Vec::new();
@@ -163,9 +175,12 @@ async fn work(
             .call(move |client| async move { accept_batch(client, &days, &queued).await }.boxed())
             .await;
         match outcome {
-            Ok(outcomes) => {
-                commits.fetch_add(1, Ordering::Relaxed);
-                for (reply, outcome) in replies.into_iter().zip(outcomes) {
+            Ok(committed) => {
+                counts.commits.fetch_add(1, Ordering::Relaxed);
+                if committed.one_by_one {
+                    counts.one_by_one.fetch_add(1, Ordering::Relaxed);
+                }
+                for (reply, outcome) in replies.into_iter().zip(committed.outcomes) {
                     // A caller that gave up meanwhile hears nothing; its retry finds the record.
                     let _ = reply.send(outcome);
                 }

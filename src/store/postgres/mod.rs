@@ -40,6 +40,7 @@
 //! | `operations.rs` | resend request ids |
 
 mod accept;
+mod accept_set;
 mod batch;
 mod commands;
 mod connection;
@@ -219,6 +220,12 @@ impl PostgresStore {
     /// when concurrent ones were group-committed.
     pub fn accept_commits(&self) -> u64 {
         self.batcher.commits()
+    }
+
+    /// Committed batches the server refused to write as sets (`accept_set.rs`), so run one
+    /// accept at a time: a batch holding an accept that fails alone.
+    pub fn accept_batches_one_by_one(&self) -> u64 {
+        self.batcher.one_by_one()
     }
 
     /// The URL as messages and logs may show it: the password hidden.
