@@ -150,6 +150,116 @@ pub(super) async fn apply(
     move_in_queue(tx, &row.ordering_key, id, effect.queue).await
 }
 
+/// A message's effect as a claim transaction applies it: the row it read, and the rule's
+/// decision.
+struct Decided {
+    id: String,
+    row: Row,
+    effect: Effect,
+}
+
+/// Writes `decided`. The effects that change only their message's own columns, in its own
+/// partition (a lease taken, a lease run out: no history row, no queue move, no move between
+/// partitions), go in one statement, so a claim of many messages is not a round trip each;
+/// any other is written by [`apply`].
+async fn apply_all(
+    tx: &Transaction<'_>,
+    days: &Days,
+    decided: Vec<Decided>,
+) -> Result<(), StoreError> {
+    let mut in_place = InPlace::default();
+    for Decided { id, row, effect } in decided {
+        let after = effect.changes.applied_to(&row.snapshot);
+        let stays = effect.history.is_none()
+            && matches!(effect.queue, QueueMove::Stay)
+            && end_day(after.ends_at) == row.end_day;
+        if !stays {
+            apply(tx, days, &id, &row, effect).await?;
+            continue;
+        }
+        in_place
+            .lease_until
+            .push(effect.changes.lease_until.unwrap_or(row.lease_until));
+        in_place.ids.push(id);
+        in_place.days.push(row.end_day);
+        in_place.states.push(after.state.as_str());
+        in_place
+            .tokens
+            .push(i64::try_from(after.token).map_err(corrupt)?);
+        in_place.attempts.push(to_i32(after.attempts)?);
+        in_place.backoff_from.push(to_i32(after.backoff_from)?);
+        in_place.deadlines.push(after.deadline);
+        in_place.due_at.push(after.due_at);
+        in_place.resume_at.push(after.resume_at);
+        in_place.again.push(after.again);
+        in_place.ends_at.push(after.ends_at);
+    }
+    if in_place.ids.is_empty() {
+        return Ok(());
+    }
+    let statement = tx
+        .prepare_cached(
+            "UPDATE messages m SET state = u.state, lease_token = u.token, \
+             delivery_attempts = u.attempts, attempts_before_requeue = u.backoff_from, \
+             deadline = u.deadline, due_at = u.due_at, lease_until = u.lease_until, \
+             resume_at = u.resume_at, deliver_again = u.again, ends_at = u.ends_at \
+             FROM unnest($1::text[], $2::int4[], $3::text[], $4::int8[], $5::int4[], \
+             $6::int4[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::bool[], \
+             $12::int8[]) AS u (id, end_day, state, token, attempts, backoff_from, deadline, \
+             due_at, lease_until, resume_at, again, ends_at) \
+             WHERE m.id = u.id AND m.end_day = u.end_day",
+        )
+        .await
+        .db()?;
+    let i = &in_place;
+    let updated = tx
+        .execute(
+            &statement,
+            &[
+                &i.ids,
+                &i.days,
+                &i.states,
+                &i.tokens,
+                &i.attempts,
+                &i.backoff_from,
+                &i.deadlines,
+                &i.due_at,
+                &i.lease_until,
+                &i.resume_at,
+                &i.again,
+                &i.ends_at,
+            ],
+        )
+        .await
+        .db()?;
+    // Every row was read under its lock in this transaction: one missing is not a race.
+    if updated != i.ids.len() as u64 {
+        return Err(corrupt(format!(
+            "{} of {} locked messages were updated",
+            updated,
+            i.ids.len()
+        )));
+    }
+    Ok(())
+}
+
+/// [`apply_all`]'s in-place writes, a column each.
+#[derive(Default)]
+struct InPlace {
+    ids: Vec<String>,
+    days: Vec<i32>,
+    states: Vec<&'static str>,
+    tokens: Vec<i64>,
+    attempts: Vec<i32>,
+    backoff_from: Vec<i32>,
+    deadlines: Vec<Millis>,
+    due_at: Vec<Option<Millis>>,
+    lease_until: Vec<Option<Millis>>,
+    resume_at: Vec<Option<Millis>>,
+    again: Vec<bool>,
+    ends_at: Vec<Option<Millis>>,
+}
+
 fn missing_day(day: i32) -> StoreError {
     StoreError::Unavailable(format!(
         "the partition of day {day} of finished messages is missing; it is created on retry"
@@ -328,12 +438,17 @@ async fn claim_once(
     let Some(expired) = unless_moved(tx.query(&expired, &[&lease_now, &limit]).await)? else {
         return Ok(None);
     };
+    let mut decided = Vec::with_capacity(expired.len());
     for found in expired {
         let row = row_from(&found)?;
-        let id: String = column(&found, 12)?;
         let effect = lifecycle::expire_lease(&row.snapshot, now);
-        apply(&tx, days, &id, &row, effect).await?;
+        decided.push(Decided {
+            id: column(&found, 12)?,
+            row,
+            effect,
+        });
     }
+    apply_all(&tx, days, decided).await?;
     let due = tx
         .prepare_cached(&format!(
             "SELECT {ROW_COLUMNS}, m.id, m.message_json FROM messages m \
@@ -346,16 +461,21 @@ async fn claim_once(
     let Some(due) = unless_moved(tx.query(&due, &[&now, &limit]).await)? else {
         return Ok(None);
     };
+    let mut decided = Vec::with_capacity(due.len());
     for found in due {
         let row = row_from(&found)?;
-        let id: String = column(&found, 12)?;
         let message_json: String = column(&found, 13)?;
         let effect = lifecycle::claim(&row.snapshot, lease_until);
         let leased = effect.changes.applied_to(&row.snapshot);
-        apply(&tx, days, &id, &row, effect).await?;
         let message: NewMessage = serde_json::from_str(&message_json).map_err(corrupt)?;
         leases.push(Lease::of(message, &leased));
+        decided.push(Decided {
+            id: column(&found, 12)?,
+            row,
+            effect,
+        });
     }
+    apply_all(&tx, days, decided).await?;
     tx.commit().await.db()?;
     Ok(Some(leases))
 }
