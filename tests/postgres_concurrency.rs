@@ -611,4 +611,73 @@ async fn claims_racing_completions_that_finish_messages_never_fail() {
         claimer.await.expect("a claimer");
     }
     assert_eq!(leased.lock().unwrap().len(), MESSAGES, "each message once");
+    // Every completion was recorded: nothing is left to claim, at any time.
+    let much_later = t0 + 30 * 24 * 3_600_000;
+    assert!(
+        store
+            .claim_due(much_later, 8, 60_000)
+            .await
+            .expect("claims")
+            .is_empty()
+    );
+    assert_eq!(store.depth().await.expect("depth").pending, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_completions_share_commits_and_each_is_recorded() {
+    use callbackd::store::{Completion, DeliveryAttempt};
+    const N: usize = 64;
+    let url = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    let t0 = now();
+    for n in 0..N {
+        let req = notification_request(&format!("done-{n}"), &format!("k-{n}"), t0);
+        store.accept(req, t0).await.expect("accepts");
+    }
+    let leases = store.claim_due(t0 + 1, N, 60_000).await.expect("claims");
+    assert_eq!(leases.len(), N);
+    let before = store.completion_commits();
+    let completions: Vec<_> = leases
+        .into_iter()
+        .enumerate()
+        .map(|(n, lease)| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let attempt = DeliveryAttempt {
+                    attempt: 1,
+                    at: t0 + 1,
+                    status: Some(if n % 2 == 0 { 204 } else { 500 }),
+                    error: None,
+                    latency_ms: Some(1),
+                    response: None,
+                };
+                let completion = if n % 2 == 0 {
+                    Completion::Delivered
+                } else {
+                    Completion::Dead
+                };
+                store
+                    .complete(&lease, attempt, completion, t0 + 1)
+                    .await
+                    .expect("completes")
+            })
+        })
+        .collect();
+    for completion in completions {
+        assert!(completion.await.expect("joins"), "recorded");
+    }
+    let commits = store.completion_commits() - before;
+    eprintln!("{N} concurrent completions committed in {commits} transactions");
+    assert!(
+        commits <= (N / 2) as u64,
+        "{N} completions, {commits} commits"
+    );
+    // Durable, each with its own outcome: another store reads them back.
+    drop(store);
+    let other = migrated(&url, &PostgresOptions::default()).await;
+    let depth = other.depth().await.expect("depth");
+    assert_eq!(
+        (depth.pending, depth.in_flight, depth.dead),
+        (0, 0, N as u64 / 2)
+    );
 }

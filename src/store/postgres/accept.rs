@@ -8,8 +8,11 @@
 //! commit (one WAL flush, one wait for the synchronous standby) answers them all.
 
 use deadpool_postgres::{Client, Transaction};
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 
 use super::accept_set::accept_as_sets;
+use super::batch::Committed;
 use super::commands::move_in_queue;
 use super::days::{Days, end_day};
 use super::error::{Db, column, corrupt};
@@ -26,11 +29,13 @@ pub(super) struct Queued {
     pub lifetimes: Lifetimes,
 }
 
-/// A committed batch: each accept's own outcome, in order (an accept that failed wrote
-/// nothing, alone), and whether the batch had to be run one accept at a time.
-pub(super) struct Committed {
-    pub outcomes: Vec<Result<AcceptOutcome, StoreError>>,
-    pub one_by_one: bool,
+/// [`accept_batch`] as the batcher runs it.
+pub(super) fn run_accepts<'a>(
+    client: &'a mut Client,
+    days: &'a Days,
+    batch: &'a [Queued],
+) -> BoxFuture<'a, Result<Committed<AcceptOutcome>, StoreError>> {
+    accept_batch(client, days, batch).boxed()
 }
 
 /// Runs `batch` in one transaction and commits once. `Err` is a failure of the whole batch
@@ -44,7 +49,7 @@ pub(super) async fn accept_batch(
     client: &mut Client,
     days: &Days,
     batch: &[Queued],
-) -> Result<Committed, StoreError> {
+) -> Result<Committed<AcceptOutcome>, StoreError> {
     let tx = client.transaction().await.db()?;
     lock_all(&tx, &batch_locks(batch)).await?;
     let (outcomes, one_by_one) = match accept_as_sets(&tx, days, batch).await {

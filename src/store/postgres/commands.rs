@@ -8,12 +8,15 @@
 //! ordering key's queue runs under that key's lock (`locks.rs`).
 
 use deadpool_postgres::{Client, Transaction};
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 use tokio_postgres::error::SqlState;
 
+use super::batch::Committed;
 use super::days::{Days, end_day};
 use super::error::{Db, column, corrupt, db_error};
 use super::listen::CHANNEL;
-use super::locks::{Lock, lock};
+use super::locks::{Lock, lock, lock_all};
 use super::{DB_NOW_MS, NOT_GONE};
 use crate::clock::Millis;
 use crate::store::lifecycle::{self, Effect, Lifetimes, QueueMove, Snapshot};
@@ -492,35 +495,112 @@ fn unless_moved(
     }
 }
 
-/// Applies store::lifecycle::complete.
-pub(super) async fn complete(
+/// One completion waiting for its batch (`batch.rs`).
+pub(super) struct Completing {
+    pub lease: Lease,
+    pub attempt: HistoryEntry,
+    pub completion: Completion,
+    pub now: Millis,
+    pub lifetimes: Lifetimes,
+}
+
+/// [`complete_batch`] as the batcher runs it.
+pub(super) fn run_completions<'a>(
+    client: &'a mut Client,
+    days: &'a Days,
+    batch: &'a [Completing],
+) -> BoxFuture<'a, Result<Committed<bool>, StoreError>> {
+    complete_batch(client, days, batch).boxed()
+}
+
+/// Applies store::lifecycle::complete to each of `batch`, in one transaction. The ordering
+/// keys' locks come first, all in one order (`locks.rs`), then each row's. A completion that
+/// fails (a day partition dropped under it, say) would abort the others: the batch is then
+/// rolled back and each completion runs in a transaction of its own, failing alone.
+async fn complete_batch(
     client: &mut Client,
     days: &Days,
-    lease: &Lease,
-    attempt: HistoryEntry,
-    completion: Completion,
-    now: Millis,
-    lifetimes: Lifetimes,
+    batch: &[Completing],
+) -> Result<Committed<bool>, StoreError> {
+    let tx = client.transaction().await.db()?;
+    let keys: Vec<(Lock, &str)> = batch
+        .iter()
+        .map(|c| (Lock::OrderingKey, c.lease.message.ordering_key.as_str()))
+        .collect();
+    lock_all(&tx, &keys).await?;
+    let mut outcomes = Vec::with_capacity(batch.len());
+    let mut failed = None;
+    for completing in batch {
+        match complete_locked(&tx, days, completing).await {
+            Ok(done) => outcomes.push(Ok(done)),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    if let Some(e) = failed {
+        tracing::debug!(error = %e, completions = batch.len(), "a batch of completions failed; completing one by one");
+        tx.rollback().await.db()?;
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for completing in batch {
+            outcomes.push(complete(client, days, completing).await);
+        }
+        return Ok(Committed {
+            outcomes,
+            one_by_one: true,
+        });
+    }
+    tx.commit().await.db()?;
+    Ok(Committed {
+        outcomes,
+        one_by_one: false,
+    })
+}
+
+/// Applies store::lifecycle::complete in a transaction of its own.
+async fn complete(
+    client: &mut Client,
+    days: &Days,
+    completing: &Completing,
 ) -> Result<bool, StoreError> {
-    let id = lease.message.id.as_str();
     let tx = client.transaction().await.db()?;
     // The key's lock before the row's, as every transaction takes them (locks.rs).
-    lock(&tx, Lock::OrderingKey, &lease.message.ordering_key).await?;
-    let Some(row) = read_row(&tx, id).await? else {
+    lock(
+        &tx,
+        Lock::OrderingKey,
+        &completing.lease.message.ordering_key,
+    )
+    .await?;
+    let done = complete_locked(&tx, days, completing).await?;
+    if done {
+        tx.commit().await.db()?;
+    }
+    Ok(done)
+}
+
+/// Applies store::lifecycle::complete; the caller holds the ordering key's lock.
+async fn complete_locked(
+    tx: &Transaction<'_>,
+    days: &Days,
+    completing: &Completing,
+) -> Result<bool, StoreError> {
+    let lease = &completing.lease;
+    let id = lease.message.id.as_str();
+    let Some(row) = read_row(tx, id).await? else {
         return Ok(false);
     };
     let Some(effect) = lifecycle::complete(
         &row.snapshot,
         lease.token,
-        attempt,
-        completion,
-        now,
-        lifetimes,
+        completing.attempt.clone(),
+        completing.completion,
+        completing.now,
+        completing.lifetimes,
     ) else {
         return Ok(false);
     };
-    apply(&tx, days, id, &row, effect).await?;
-    tx.commit().await.db()?;
+    apply(tx, days, id, &row, effect).await?;
     Ok(true)
 }
 

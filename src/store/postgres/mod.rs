@@ -61,13 +61,15 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::FutureExt;
 
-pub use batch::ACCEPT_WORKERS;
+pub use batch::WORKERS as ACCEPT_WORKERS;
 pub use connection::{ClientCertificate, PostgresTls};
 pub use durability::{DurabilitySettings, Setting, judge};
 pub use migrate::LAYOUT_VERSION;
 pub use url::{check_url, redacted_url};
 
+use self::accept::{Queued, run_accepts};
 use self::batch::Batcher;
+use self::commands::Completing;
 use self::connection::Database;
 use self::days::{Days, end_day};
 use self::listen::Listener;
@@ -123,7 +125,9 @@ impl Default for PostgresOptions {
 pub struct PostgresStore {
     db: Arc<Database>,
     /// Group commit of accepts (`batch.rs`).
-    batcher: Batcher,
+    batcher: Batcher<Queued, AcceptOutcome>,
+    /// Group commit of completions.
+    completions: Batcher<Completing, bool>,
     /// `PostgresOptions::listen`.
     listen: bool,
     /// The wake-up listener, started when a dispatcher first asks for the signal.
@@ -185,7 +189,13 @@ impl PostgresStore {
         let db = Arc::new(db);
         let days = Arc::new(Days::default());
         Ok(PostgresStore {
-            batcher: Batcher::start(Arc::clone(&db), Arc::clone(&days)),
+            batcher: Batcher::start("accepts", Arc::clone(&db), Arc::clone(&days), run_accepts),
+            completions: Batcher::start(
+                "completions",
+                Arc::clone(&db),
+                Arc::clone(&days),
+                commands::run_completions,
+            ),
             db,
             listen: options.listen,
             listener: OnceLock::new(),
@@ -220,6 +230,12 @@ impl PostgresStore {
     /// when concurrent ones were group-committed.
     pub fn accept_commits(&self) -> u64 {
         self.batcher.commits()
+    }
+
+    /// Completion transactions committed by this store: fewer than the completions when
+    /// concurrent ones were group-committed.
+    pub fn completion_commits(&self) -> u64 {
+        self.completions.commits()
     }
 
     /// Committed batches the server refused to write as sets (`accept_set.rs`), so run one
@@ -294,7 +310,14 @@ impl PaymentStatusRead for PostgresStore {
 impl Store for PostgresStore {
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError> {
         self.prepare_day(now).await?;
-        self.batcher.accept(req, now, self.lifetimes).await
+        let lifetimes = self.lifetimes;
+        self.batcher
+            .submit(Queued {
+                req,
+                now,
+                lifetimes,
+            })
+            .await
     }
 
     async fn claim_due(
@@ -325,15 +348,13 @@ impl Store for PostgresStore {
         now: Millis,
     ) -> Result<bool, StoreError> {
         self.prepare_day(now).await?;
-        let (days, lifetimes, lease) = (Arc::clone(&self.days), self.lifetimes, claimed.clone());
-        let attempt = HistoryEntry::Delivery(attempt);
-        self.db
-            .call(move |client| {
-                async move {
-                    commands::complete(client, &days, &lease, attempt, completion, now, lifetimes)
-                        .await
-                }
-                .boxed()
+        self.completions
+            .submit(Completing {
+                lease: claimed.clone(),
+                attempt: HistoryEntry::Delivery(attempt),
+                completion,
+                now,
+                lifetimes: self.lifetimes,
             })
             .await
     }
