@@ -274,11 +274,8 @@ async fn write(tx: &Transaction<'_>, writes: Writes) -> Result<(), StoreError> {
     if writes.claims.is_empty() && writes.seals.is_empty() {
         return Ok(());
     }
-    let (payment_ids, (statuses, payment_ends)): (Vec<String>, (Vec<String>, Vec<Millis>)) = writes
-        .payments
-        .into_iter()
-        .map(|(id, (status, ends))| (id, (status, ends)))
-        .unzip();
+    let (payment_ids, (statuses, payment_ends)): (Vec<String>, (Vec<String>, Vec<Millis>)) =
+        writes.payments.into_iter().unzip();
     let (claim_keys, claim_rows): (Vec<String>, Vec<(String, String, Millis)>) =
         writes.claims.into_iter().unzip();
     let (fingerprints, claim_responses, claim_ends) = columns3(claim_rows);
