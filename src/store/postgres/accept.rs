@@ -11,7 +11,7 @@ use deadpool_postgres::{Client, Transaction};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 
-use super::accept_set::accept_as_sets;
+use super::accept_set::{Queued, accept_as_sets};
 use super::batch::Committed;
 use super::commands::move_in_queue;
 use super::days::{Days, end_day};
@@ -21,13 +21,6 @@ use crate::clock::Millis;
 use crate::payment::PaymentStatus;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
 use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
-
-/// One accept of a batch: the request, the caller's time, the store's lifetimes.
-pub(super) struct Queued {
-    pub req: AcceptRequest,
-    pub now: Millis,
-    pub lifetimes: Lifetimes,
-}
 
 /// [`accept_batch`] as the batcher runs it.
 pub(super) fn run_accepts<'a>(

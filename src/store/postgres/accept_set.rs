@@ -19,10 +19,17 @@ use super::error::{Db, column, corrupt};
 use super::listen::CHANNEL;
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
-use crate::store::lifecycle::{self, AcceptDecision, AcceptPlan, AcceptRead, LiveClaim, QueueMove};
+use crate::store::lifecycle::{
+    self, AcceptDecision, AcceptPlan, AcceptRead, Lifetimes, LiveClaim, QueueMove,
+};
 use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
 
-use super::accept::Queued;
+/// One accept of a batch: the request, the caller's time, the store's lifetimes.
+pub(super) struct Queued {
+    pub req: AcceptRequest,
+    pub now: Millis,
+    pub lifetimes: Lifetimes,
+}
 
 /// What the batch's keys hold, read once, whether alive or not: each accept checks liveness
 /// at its own `now`.

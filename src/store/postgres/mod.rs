@@ -67,7 +67,8 @@ pub use durability::{DurabilitySettings, Setting, judge};
 pub use migrate::LAYOUT_VERSION;
 pub use url::{check_url, redacted_url};
 
-use self::accept::{Queued, run_accepts};
+use self::accept::run_accepts;
+use self::accept_set::Queued;
 use self::batch::Batcher;
 use self::commands::Completing;
 use self::connection::Database;
