@@ -32,8 +32,28 @@ function login(message) {
   input.focus();
 }
 
+// The hosts this process's dispatcher holds back (GET /v1/admin/hosts): breaker open or
+// throttled, since when, and the queue heads it holds for each.
+function heldHosts(hosts) {
+  const since = (x) => [x.openSince && `open since ${x.openSince}`,
+    x.throttledSince && `throttled since ${x.throttledSince} until ${x.throttledUntil}`].filter(Boolean).join('; ');
+  return h('div', { class: 'card', id: 'held-hosts' },
+    h('h2', { text: `Hosts held back (${hosts.length})` }),
+    hosts.length
+      ? h('table', { id: 'held-hosts-table' },
+        h('thead', {}, h('tr', {}, ['Host', 'State', 'Since', 'Consecutive failures', 'Waiting'].map((t) => h('th', { text: t })))),
+        h('tbody', {}, hosts.map((x) => h('tr', { class: 'held-host', 'data-host': x.host },
+          h('td', { text: x.host }),
+          h('td', {}, x.state.map((s) => h('span', { class: `badge ${s}`, text: s }))),
+          h('td', { text: since(x) }),
+          h('td', { class: 'num', text: x.consecutiveFailures }),
+          h('td', { class: 'num waiting', text: x.waiting })))))
+      : h('p', { class: 'muted', id: 'no-held-hosts', text: 'No host is held back: every breaker is closed and no host asked for a pause.' }),
+    h('p', { class: 'muted', text: 'As this process\'s dispatcher sees them (each process keeps its own breakers). Waiting: the messages at the head of their payment\'s queue that it held back for the host and has not let through yet; messages queued behind them are not counted.' }));
+}
+
 async function overview() {
-  const data = await api('/v1/console/overview');
+  const [data, held] = await Promise.all([api('/v1/console/overview'), api('/v1/admin/hosts')]);
   const card = (id, label, value, href) => h('a', { class: 'card stat', id, href },
     h('span', { class: 'value', text: value }), h('span', { class: 'label', text: label }));
   const oldest = data.oldestPending;
@@ -49,10 +69,12 @@ async function overview() {
     h('div', { class: 'card' },
       h('h2', { text: 'Deliveries and failures per minute, last hour' }),
       h('p', { class: 'legend' },
-        h('span', { class: 'key ok', text: `deliveries (${total('deliveries')})` }),
-        h('span', { class: 'key fail', text: `failures (${total('failures')})` })),
+        h('span', { class: 'key ok', id: 'total-deliveries', text: `deliveries (${total('deliveries')})` }),
+        h('span', { class: 'key fail', id: 'total-failures', text: `failures (${total('failures')})` }),
+        h('span', { class: 'muted', id: 'total-dead', text: `of which dead-lettered: ${total('dead')}` })),
       perMinuteChart(data.perMinute),
-      h('p', { class: 'muted', text: `Attempts made by this process. As of ${data.now}.` }))));
+      h('p', { class: 'muted', text: `Attempts made by every process on this store, as the store counted them. As of ${data.now}.` })),
+    heldHosts(held.hosts)));
 }
 
 function selectionFromUrl(params) {

@@ -32,8 +32,6 @@ pub struct App {
     /// One permit per byte of `server.max_buffered_bytes`: request bodies being read or
     /// held by a handler take their size from it (see `http::read_body`).
     pub body_budget: Arc<Semaphore>,
-    /// Deliveries and failures per minute made by this process, for the console's chart.
-    pub deliveries: Arc<crate::stats::DeliveryStats>,
     /// The hosts this process's dispatcher holds back (breaker open, throttled), for the
     /// admin API.
     pub held_hosts: crate::dispatch::board::HostBoard,
@@ -67,7 +65,6 @@ impl App {
             wake: Arc::new(Notify::new()),
             metrics: crate::metrics::handle(),
             shutting_down: CancellationToken::new(),
-            deliveries: Arc::default(),
             held_hosts: Default::default(),
         }
     }

@@ -43,7 +43,6 @@ pub mod ordering;
 pub mod payment;
 pub mod redact;
 pub mod ssrf;
-pub mod stats;
 pub mod store;
 pub mod trace;
 pub mod webhook;
@@ -210,7 +209,6 @@ pub async fn serve(
             app.wake.clone(),
         )
         .map_err(|e| StartError::Setup(format!("HTTP client: {e}")))?
-        .with_stats(app.deliveries.clone())
         .with_board(&app.held_hosts);
         Some(tokio::spawn(Arc::new(d).run(shutdown.clone(), grace)))
     } else {

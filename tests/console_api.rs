@@ -5,12 +5,9 @@
 
 mod support;
 
-use std::sync::Arc;
-
 use axum::http::HeaderMap;
 use callbackd::clock::Clock;
 use callbackd::config::AlertsConfig;
-use callbackd::dispatch::Dispatcher;
 use callbackd::trace::TraceParent;
 use callbackd::webhook::Verifier;
 use callbackd::webhook::decode_whsec;
@@ -187,18 +184,7 @@ async fn path_sink() -> Sink {
 }
 
 async fn overview_on(store_url: &str) {
-    let (server, clock, _) = virtual_server(store_url, |_| {}).await;
-    let app = &server.app;
-    let d = Arc::new(
-        Dispatcher::new(
-            &app.settings,
-            app.store.clone(),
-            clock.clone(),
-            app.wake.clone(),
-        )
-        .unwrap()
-        .with_stats(app.deliveries.clone()),
-    );
+    let (server, clock, d) = virtual_server(store_url, |_| {}).await;
     let sink = path_sink().await;
     let t0 = clock.now_ms();
     server
@@ -248,6 +234,7 @@ async fn overview_on(store_url: &str) {
     let last = &minutes[59];
     assert_eq!(last["deliveries"], 1);
     assert_eq!(last["failures"], 2);
+    assert_eq!(last["dead"], 1, "the 410 is dead at once");
     assert_eq!(last["minute"], (t0 + 90_000) / 60_000 * 60_000);
     let all: u64 = minutes
         .iter()

@@ -395,3 +395,87 @@ async fn operator_console_in_chromium() {
     c.close().await.unwrap();
     server.stop().await;
 }
+
+/// A port nothing listens on: connections to it are refused.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    listener.local_addr().expect("its address").port()
+}
+
+/// A gateway that refuses connections opens its host's breaker; the overview lists the host
+/// as open, since when, and with the waiting count the admin API gives, and the chart counts
+/// the failed attempts the store recorded.
+#[tokio::test]
+async fn the_overview_shows_a_host_whose_breaker_is_open_with_its_waiting_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("console.db").display());
+    let mut cfg = config(&store, None);
+    cfg.dispatch.breaker.failures = 3;
+    // Open for the whole test: one probe a minute at most.
+    cfg.dispatch.breaker.probe_secs = 60;
+    cfg.dispatch.breaker.max_probe_secs = 60;
+    let server = TestServer::start(cfg).await;
+    let port = closed_port();
+    let host = format!("127.0.0.1:{port}");
+    for n in 0..8 {
+        server
+            .hand_off_id(&handoff(
+                &format!("p-held-{n}"),
+                "approved",
+                &format!("http://{host}/cb/{n}"),
+            ))
+            .await;
+    }
+    let held = || async {
+        let listed: Value = server
+            .admin_get("/v1/admin/hosts")
+            .await
+            .json()
+            .await
+            .unwrap();
+        listed["hosts"][0].clone()
+    };
+    let waiting = eventually(30, "the host open with messages waiting", || async {
+        let entry = held().await;
+        (entry["host"] == host.as_str() && entry["waiting"].as_u64().unwrap_or(0) >= 1)
+            .then(|| entry["waiting"].as_u64().unwrap())
+    })
+    .await;
+
+    let driver = Driver::start();
+    let profile = tempfile::tempdir().unwrap();
+    let c = browser(&driver, &profile).await;
+    open(&c, &server.url, "/console", "#login-form").await;
+    css(&c, "#token")
+        .await
+        .send_keys(ADMIN_TOKEN)
+        .await
+        .unwrap();
+    css(&c, "#login-form button").await.click().await.unwrap();
+    let row = format!("#held-hosts-table .held-host[data-host=\"{host}\"]");
+    css(&c, &row).await;
+    assert_eq!(text(&c, &format!("{row} .badge")).await, "open");
+    let since = text(&c, &format!("{row} td:nth-child(3)")).await;
+    let open_since = held().await["openSince"].as_str().unwrap().to_string();
+    assert_eq!(since, format!("open since {open_since}"));
+    // Messages go on being held while the page loads: the page shows what the API said then.
+    let shown: u64 = text(&c, &format!("{row} .waiting")).await.parse().unwrap();
+    let now = held().await["waiting"].as_u64().unwrap();
+    assert!(
+        (waiting..=now).contains(&shown),
+        "{shown} waiting shown, the API said {waiting} then {now}"
+    );
+    let failures: u64 = text(&c, "#total-failures")
+        .await
+        .trim_start_matches("failures (")
+        .trim_end_matches(')')
+        .parse()
+        .unwrap();
+    assert!(
+        failures >= 3,
+        "the attempts that opened the breaker: {failures}"
+    );
+    screenshot(&c, "held-host.png").await;
+    c.close().await.unwrap();
+    server.stop().await;
+}

@@ -146,8 +146,11 @@ async fn a_new_database_gets_the_layout_recorded_once_and_reads_empty() {
         .unwrap();
     assert_eq!(again.migrate().await.unwrap(), LAYOUT_VERSION);
     assert_eq!(
-        server.psql("SELECT string_agg(version::text, ',') FROM callbackd_layout"),
-        LAYOUT_VERSION.to_string(),
+        server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
+        (1..=LAYOUT_VERSION)
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
         "each version recorded once"
     );
 
@@ -186,8 +189,50 @@ async fn two_processes_starting_at_once_migrate_once() {
     found.sort();
     assert_eq!(
         found,
-        [0, 1, 1, 1],
+        [0, LAYOUT_VERSION, LAYOUT_VERSION, LAYOUT_VERSION],
         "one migrated, the others found it done"
+    );
+}
+
+/// A database of layout 1 (the first release's: layout 2 only added `delivery_counts`, so
+/// this one is layout 2 with that undone) is brought to layout 2 in place: its messages stay
+/// as they were, and completions are counted from then on.
+#[tokio::test]
+async fn a_layout_1_database_gains_the_delivery_counts_and_keeps_its_rows() {
+    let server = PostgresServer::start();
+    drop(migrated(&server).await);
+    server.psql("DROP TABLE delivery_counts; DELETE FROM callbackd_layout WHERE version = 2");
+    let client = raw_client(&server).await;
+    let kept = message("src/payzu/tx-1", Some("payzu"), T0);
+    insert_message(&client, &kept, MessageState::Pending, None, &[]).await;
+    let mut store = PostgresStore::connect(&server.url(), TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap()
+        .with_caller_clock_leases();
+    assert_eq!(store.migrate().await.unwrap(), 1, "found layout 1");
+    assert_eq!(
+        store.get(&kept.id).await.unwrap().map(|r| r.state),
+        Some(MessageState::Pending)
+    );
+    let lease = store.claim_due(T0, 10, 30_000).await.unwrap();
+    assert_eq!(lease.len(), 1);
+    let attempt = match attempt(1, T0 + 1, 200) {
+        HistoryEntry::Delivery(a) => a,
+        _ => unreachable!(),
+    };
+    assert!(
+        store
+            .complete(&lease[0], attempt, Completion::Delivered, T0 + 1)
+            .await
+            .unwrap()
+    );
+    let counted = store.minute_counts(T0, T0 + 1).await.unwrap();
+    assert_eq!(
+        counted
+            .iter()
+            .map(|m| (m.minute, m.deliveries))
+            .collect::<Vec<_>>(),
+        [(T0, 1)]
     );
 }
 

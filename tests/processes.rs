@@ -446,3 +446,121 @@ fn a_process_whose_store_is_down_is_not_taken_as_started() {
         Err(e) => eprintln!("not started, as it should: {e}"),
     }
 }
+
+/// What `/v1/console/overview` of the process at `base` counts per minute, with the minute
+/// its `now` is in.
+async fn per_minute(client: &reqwest::Client, base: &str) -> (String, Vec<Value>) {
+    let r = client
+        .get(format!("{base}/v1/console/overview"))
+        .bearer_auth(support::ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let o: Value = r.json().await.unwrap();
+    let minute = o["now"].as_str().unwrap()[..16].to_string();
+    (minute, o["perMinute"].as_array().unwrap().clone())
+}
+
+/// The overviews of `a` and `b`, read within one minute so both show the same hour; each
+/// minute's figures as `(deliveries, failures, dead)` summed over the hour.
+async fn same_overview(client: &reqwest::Client, a: &str, b: &str) -> (u64, u64, u64) {
+    for _ in 0..3 {
+        let (minute_a, hour_a) = per_minute(client, a).await;
+        let (minute_b, hour_b) = per_minute(client, b).await;
+        if minute_a != minute_b {
+            continue;
+        }
+        assert_eq!(hour_a, hour_b, "both consoles show the same minutes");
+        assert_eq!(hour_a.len(), 60);
+        let sum = |key: &str| hour_a.iter().map(|m| m[key].as_u64().unwrap()).sum();
+        return (sum("deliveries"), sum("failures"), sum("dead"));
+    }
+    panic!("three reads in a row straddled a minute");
+}
+
+/// Two processes' consoles show the same per-minute counts: the deployment's, kept in the
+/// store. `a` delivers 8 alone; then `b` delivers 8 more and dead-letters 3 (410) while `a`
+/// is stopped; then `a` is started again. Both overviews show 16 deliveries, 3 failures and
+/// 3 dead letters, before and after the restart (a count in process memory would show
+/// 8 + 0 on `a` and 11 on `b`, then nothing on the restarted `a`).
+async fn two_consoles_show_the_same_per_minute_counts(store: &str) {
+    let sink = Sink::start(|req, _| {
+        if req.uri.contains("/gone/") {
+            Reply::status(410)
+        } else {
+            Reply::status(204)
+        }
+    })
+    .await;
+    let client = support::client();
+    let mut a = Process::start(store, "");
+    for n in 0..8 {
+        hand_off(
+            &client,
+            &a.url,
+            &format!("p-a-{n}"),
+            &format!("{}/ok/a{n}", sink.url),
+        )
+        .await;
+    }
+    eventually(30, "a delivered 8", || async {
+        (sink.count() == 8).then_some(())
+    })
+    .await;
+    let b = Process::start(store, "");
+    a.stop(Duration::from_secs(10));
+    for n in 0..8 {
+        hand_off(
+            &client,
+            &b.url,
+            &format!("p-b-{n}"),
+            &format!("{}/ok/b{n}", sink.url),
+        )
+        .await;
+    }
+    for n in 0..3 {
+        hand_off(
+            &client,
+            &b.url,
+            &format!("p-gone-{n}"),
+            &format!("{}/gone/{n}", sink.url),
+        )
+        .await;
+    }
+    eventually(30, "b made 11 attempts", || async {
+        (sink.count() == 19).then_some(())
+    })
+    .await;
+    // The attempt reaches the sink before its completion is recorded.
+    eventually(10, "b's console counts all 19 attempts", || async {
+        let (_, hour) = per_minute(&client, &b.url).await;
+        let attempts: u64 = hour
+            .iter()
+            .map(|m| m["deliveries"].as_u64().unwrap() + m["failures"].as_u64().unwrap())
+            .sum();
+        (attempts == 19).then_some(())
+    })
+    .await;
+    let a = Process::start(store, "");
+    assert_eq!(same_overview(&client, &a.url, &b.url).await, (16, 3, 3));
+    drop(a);
+    let restarted = Process::start(store, "");
+    assert_eq!(
+        same_overview(&client, &restarted.url, &b.url).await,
+        (16, 3, 3),
+        "the same after a restart"
+    );
+}
+
+#[tokio::test]
+async fn two_consoles_on_redis_show_the_same_per_minute_counts() {
+    let redis = RedisServer::start();
+    two_consoles_show_the_same_per_minute_counts(&redis.url()).await;
+}
+
+#[tokio::test]
+async fn two_consoles_on_postgres_show_the_same_per_minute_counts() {
+    let server = PostgresServer::start();
+    two_consoles_show_the_same_per_minute_counts(&server.url()).await;
+}

@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use callbackd::payment::{self, PaymentStatus};
+use callbackd::store::counts;
 use callbackd::store::ids::partition_of;
 use callbackd::store::partitions::Partitions;
 use callbackd::store::postgres::PostgresStore;
@@ -29,8 +30,8 @@ use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
     AcceptOutcome, AcceptRequest, Completion, DedupeClaim, DeliveryAttempt, HistoryEntry,
     Inspectable, Lease, ListFilter, MessageId, MessageKind, MessageRecord, MessageState,
-    NewMessage, OperationReservation, PaymentTransition, QueueDepth, ReceiverAnswer, ResendEffect,
-    ResendMark, SignatureSeal, Store, StoreError,
+    MinuteCount, NewMessage, OperationReservation, PaymentTransition, QueueDepth, ReceiverAnswer,
+    ResendEffect, ResendMark, SignatureSeal, Store, StoreError,
 };
 use postgres_support::PostgresServer;
 use redis_support::RedisServer;
@@ -158,11 +159,17 @@ impl Harness {
     /// Keys (Redis) or rows (SQLite) the store holds: what retention must bring back down.
     fn footprint(&self) -> u64 {
         match &self.backend {
+            // Less the attempts-per-minute hashes, which end by their Redis TTL (at most three
+            // hours of the server's time, `minute_counts_end_with_their_lifetime`), not by the
+            // virtual clock's sweep.
             Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
-                server.cli(&["DBSIZE"]).parse().expect("DBSIZE")
+                let all: u64 = server.cli(&["DBSIZE"]).parse().expect("DBSIZE");
+                all - h_count_hashes(server).len() as u64
             }
             Backend::Cluster { prefix } => {
-                RedisCluster::shared().count_keys(&format!("{prefix}:*"))
+                let cluster = RedisCluster::shared();
+                cluster.count_keys(&format!("{prefix}:*"))
+                    - cluster.count_keys(&format!("{prefix}:*:n:*"))
             }
             // A finished message at or below the sweep horizon is gone to every read, and its
             // day partition is dropped whole once the horizon passes the day's end: what
@@ -255,6 +262,18 @@ impl Harness {
     fn s(&self) -> &dyn Inspectable {
         &*self.store
     }
+}
+
+/// The attempts-per-minute hashes of a Redis (`<prefix>:{pNN}:n:<hour>`) with their TTL in ms.
+fn h_count_hashes(server: &RedisServer) -> Vec<(String, i64)> {
+    server
+        .cli(&["--scan", "--pattern", "*:n:*"])
+        .lines()
+        .map(|key| {
+            let ttl = server.cli(&["PTTL", key]).trim().parse().expect("PTTL");
+            (key.to_string(), ttl)
+        })
+        .collect()
 }
 
 macro_rules! contract {
@@ -351,6 +370,8 @@ contract!(
     a_recorded_message_is_kept_for_the_retention_not_its_claim_ttl,
     every_state_change_runs_in_every_partition,
     a_callback_claim_answers_with_its_derived_id,
+    completions_are_counted_in_their_minute_in_every_partition,
+    minute_counts_end_with_their_lifetime,
 );
 
 /// The contract tests a store can be filled for: every engine, but not the cluster, which
@@ -832,6 +853,130 @@ async fn every_state_change_runs_in_every_partition(h: &Harness) {
     for id in &ids {
         assert!(s.get(id).await.expect("get").is_none(), "{id} swept");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Attempts per minute (store/counts.rs)
+
+fn minute(minute: Millis, deliveries: u64, failures: u64, dead: u64) -> MinuteCount {
+    MinuteCount {
+        minute,
+        deliveries,
+        failures,
+        dead,
+    }
+}
+
+/// Every recorded completion counts in the minute of its `now`, whatever its partition: a
+/// delivery, a failure, and a death as a failure and a dead letter. A completion whose lease
+/// is gone records nothing and counts nothing. A read sums the partitions, one row per
+/// minute, from `since`'s minute to `now`'s.
+async fn completions_are_counted_in_their_minute_in_every_partition(h: &Harness) {
+    let s = h.s();
+    assert_eq!(s.minute_counts(T0, T0).await.unwrap(), []);
+    let payments = one_payment_per_partition();
+    let mut ids = Vec::new();
+    for payment_id in &payments {
+        let req = notification(payment_id, "approved", &["undefined"], T0);
+        ids.push(req.message.id.clone());
+        assert_eq!(s.accept(req, T0).await.unwrap(), AcceptOutcome::Accepted);
+    }
+    let all: Vec<&MessageId> = ids.iter().collect();
+    let leases = claim_exactly(s, T0, &all).await;
+    let second = T0 + 60_000;
+    for (i, lease) in leases.iter().enumerate() {
+        let (completion, at) = match i % 3 {
+            0 => (Completion::Delivered, T0 + 59_999),
+            1 => (Completion::Retry { next_at: second }, second + 1),
+            _ => (Completion::Dead, second + 2),
+        };
+        assert!(complete(s, lease, completion, at).await);
+    }
+    // The same lease again: already finished, nothing recorded, nothing counted.
+    assert!(!complete(s, &leases[0], Completion::Delivered, second).await);
+    let n = leases.len() as u64;
+    let (delivered, retried, dead) = (n.div_ceil(3), (n + 1) / 3, n / 3);
+    assert_eq!(
+        s.minute_counts(T0, second + 2).await.unwrap(),
+        [
+            minute(T0, delivered, 0, 0),
+            minute(second, 0, retried + dead, dead)
+        ]
+    );
+    assert_eq!(
+        s.minute_counts(second + 30_000, second + 30_000)
+            .await
+            .unwrap(),
+        [minute(second, 0, retried + dead, dead)],
+        "from `since`'s minute"
+    );
+    assert_eq!(
+        s.minute_counts(T0, T0 + 59_999).await.unwrap(),
+        [minute(T0, delivered, 0, 0)],
+        "to `now`'s minute"
+    );
+}
+
+/// A minute's counts are read until [`counts::COUNT_LIFETIME_MS`] after it starts, then gone
+/// to every read on the caller's clock; the sweep deletes them (SQLite, PostgreSQL) and a Redis
+/// hash ends by its TTL, at most three hours on.
+async fn minute_counts_end_with_their_lifetime(h: &Harness) {
+    let s = h.s();
+    let id = accept_new(s, "pay/counted", T0).await;
+    let lease = claim_one(s, T0, &id).await;
+    assert!(complete(s, &lease, Completion::Delivered, T0 + 1).await);
+    let end = T0 + counts::COUNT_LIFETIME_MS;
+    h.sweep_all(end - 1).await;
+    assert_eq!(
+        s.minute_counts(T0, end - 1).await.unwrap(),
+        [minute(T0, 1, 0, 0)],
+        "kept until its end"
+    );
+    assert_eq!(
+        s.minute_counts(T0, end).await.unwrap(),
+        [],
+        "gone at its end"
+    );
+    // Gone from storage as well, not only from reads.
+    let deleted = h.s().sweep(end).await.unwrap();
+    match &h.backend {
+        Backend::Sqlite { .. } | Backend::Postgres { .. } => {
+            assert_eq!(deleted, 1, "the minute's row is swept")
+        }
+        Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
+            let hashes = h_count_hashes(server);
+            assert_eq!(hashes.len(), 1, "{hashes:?}");
+            let ttl = hashes[0].1;
+            assert!(
+                ttl > 0 && ttl <= counts::COUNT_LIFETIME_MS + 3_600_000,
+                "{hashes:?}"
+            );
+        }
+        Backend::Cluster { prefix } => {
+            assert_eq!(
+                RedisCluster::shared().count_keys(&format!("{prefix}:*:n:*")),
+                1
+            );
+        }
+    }
+    // A new count in a later minute starts from zero.
+    let id = accept_new(s, "pay/counted-again", end).await;
+    let lease = claim_one(s, end, &id).await;
+    assert!(
+        complete(
+            s,
+            &lease,
+            Completion::Retry {
+                next_at: end + DAY_MS
+            },
+            end
+        )
+        .await
+    );
+    assert_eq!(
+        s.minute_counts(T0, end).await.unwrap(),
+        [minute(end, 0, 1, 0)]
+    );
 }
 
 // ---------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ use crate::app::{DispatchSettings, ForwardSettings, Settings, Sources};
 use crate::clock::millis;
 use crate::clock::{Clock, format_delay, format_iso};
 use crate::metrics as m;
-use crate::stats::DeliveryStats;
 use crate::store::lifecycle::policy::{
     self, AttemptResult, DeathReason, FailureClass, Held, Verdict,
 };
@@ -80,8 +79,6 @@ pub struct Dispatcher {
     /// poll late. Retries other processes schedule, and later ones of this process, are
     /// found by the poll.
     next_retry: Mutex<Option<Millis>>,
-    /// Per-minute counts for the console, when the server shows them.
-    stats: Option<Arc<DeliveryStats>>,
     /// Where dead letters are announced (`[alerts]`), if anywhere.
     alerts: Option<Alerts>,
     /// This process's count of deaths per alert window: which get an alert of their own, and
@@ -141,7 +138,6 @@ impl Dispatcher {
             in_flight: Mutex::new(HashMap::new()),
             wake,
             next_retry: Mutex::new(None),
-            stats: None,
             budget: Mutex::new(
                 alerts
                     .as_ref()
@@ -161,12 +157,6 @@ impl Dispatcher {
     pub fn with_board(self, board: &HostBoard) -> Dispatcher {
         let (guards, clock) = (Arc::clone(&self.guards), Arc::clone(&self.clock));
         board.publish(move || guards.held(clock.now_ms()));
-        self
-    }
-
-    /// Counts every attempt in `stats` (the console's deliveries-per-minute chart).
-    pub fn with_stats(mut self, stats: Arc<DeliveryStats>) -> Dispatcher {
-        self.stats = Some(stats);
         self
     }
 
@@ -487,9 +477,6 @@ impl Dispatcher {
         }
         self.record_metrics(&c, &result, verdict, latency);
         log_failure(&result, verdict, now);
-        if let Some(stats) = &self.stats {
-            stats.record(now, verdict == Verdict::Delivered);
-        }
         let attempt = DeliveryAttempt {
             attempt: c.attempts + 1,
             at,

@@ -20,7 +20,8 @@ use super::auth::Admin;
 use crate::app::App;
 use crate::clock::format_iso;
 use crate::http::error::ApiError;
-use crate::stats::MinuteCount;
+use crate::store::MinuteCount;
+use crate::store::counts;
 
 pub const CSP: &str = "default-src 'self'; base-uri 'none'; form-action 'self'; \
                        frame-ancestors 'none'; object-src 'none'";
@@ -118,7 +119,8 @@ pub struct Overview {
     /// The oldest message not delivered yet, absent when nothing is waiting.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub oldest_pending: Option<Oldest>,
-    /// The last 60 minutes, oldest first.
+    /// The last 60 minutes of the whole deployment, oldest first: what every process
+    /// recorded, as the store counted it.
     pub per_minute: Vec<MinuteCount>,
 }
 
@@ -138,12 +140,17 @@ pub struct Oldest {
     pub age_seconds: i64,
 }
 
-/// The overview: queue depth by state, the oldest pending message, and deliveries and
-/// failures per minute over the last hour. Admin token required.
+/// The overview: queue depth by state, the oldest pending message, and deliveries, failures
+/// and dead letters per minute over the last hour, all read from the store, so every
+/// process shows the same. Admin token required.
 async fn overview(_: Admin, State(app): State<Arc<App>>) -> Result<Json<Overview>, ApiError> {
     let now = app.clock.now_ms();
     let depth = app.store.depth().await?;
     let oldest = app.store.oldest_unfinished().await?;
+    let per_minute = app
+        .store
+        .minute_counts(counts::first_shown(now), now)
+        .await?;
     Ok(Json(Overview {
         now: format_iso(now),
         depth: Depth {
@@ -156,6 +163,6 @@ async fn overview(_: Admin, State(app): State<Arc<App>>) -> Result<Json<Overview
             age_seconds: (now - id.created_at()).max(0) / 1000,
             id: id.to_string(),
         }),
-        per_minute: app.deliveries.last_hour(now),
+        per_minute: counts::last_hour(now, per_minute),
     }))
 }

@@ -13,10 +13,11 @@
 //!
 //! The vocabulary the trait speaks has a file per concern: `message.rs` (messages, states,
 //! reads), `accept.rs` (what an accept carries and answers), `history.rs` (history rows and
-//! their bounds), `delivery.rs` (leases, completions, resends), `operations.rs` (resend
-//! operation records), `error.rs`.
+//! their bounds), `delivery.rs` (leases, completions, resends), `counts.rs` (attempts per
+//! minute), `operations.rs` (resend operation records), `error.rs`.
 
 mod accept;
+pub mod counts;
 mod delivery;
 mod error;
 mod history;
@@ -37,6 +38,7 @@ pub use accept::{
     AcceptOutcome, AcceptRequest, DedupeClaim, PaymentTransition, SignatureSeal,
     fingerprint_from_stored,
 };
+pub use counts::MinuteCount;
 pub use delivery::{Completion, Lease, ResendEffect};
 pub use error::StoreError;
 pub use history::{
@@ -76,8 +78,9 @@ pub trait Store: Send + Sync + 'static {
         lease_ms: u64,
     ) -> Result<Vec<Lease>, StoreError>;
 
-    /// Records a delivery attempt and its consequence. Returns false when the lease was lost
-    /// (token stale), in which case nothing changed.
+    /// Records a delivery attempt and its consequence, and counts it in `now`'s minute
+    /// ([`counts::Tally`]) in the same atomic step. Returns false when the lease was lost
+    /// (token stale), in which case nothing changed and nothing was counted.
     async fn complete(
         &self,
         claimed: &Lease,
@@ -123,6 +126,16 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
 
     async fn depth(&self) -> Result<QueueDepth, StoreError>;
+
+    /// What every process's `complete` counted, one row per minute with counts, oldest first,
+    /// from `since`'s minute to `now`'s ([`counts::window`]). A minute's counts are gone
+    /// [`counts::COUNT_LIFETIME_MS`] after it starts (then the sweep, or Redis' TTL, deletes
+    /// them), so no read reaches further back.
+    async fn minute_counts(
+        &self,
+        since: Millis,
+        now: Millis,
+    ) -> Result<Vec<MinuteCount>, StoreError>;
 
     /// The id of the oldest message not finished yet (`pending` or `in_flight`), whose
     /// creation time is in the id: how far behind delivery is.

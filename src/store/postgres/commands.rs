@@ -7,6 +7,8 @@
 //! never wait for each other's claims, and never lease one message twice. A move in an
 //! ordering key's queue runs under that key's lock (`locks.rs`).
 
+use std::collections::BTreeMap;
+
 use deadpool_postgres::{Client, Transaction};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
@@ -19,6 +21,7 @@ use super::listen::CHANNEL;
 use super::locks::{Lock, lock, lock_all};
 use super::{DB_NOW_MS, NOT_GONE};
 use crate::clock::Millis;
+use crate::store::counts::{self, Tally};
 use crate::store::lifecycle::{self, Effect, Lifetimes, QueueMove, Snapshot};
 use crate::store::{
     ANSWER_BODY_ROWS, Completion, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage,
@@ -539,6 +542,11 @@ async fn complete_batch(
             }
         }
     }
+    if failed.is_none()
+        && let Err(e) = count_completions(&tx, batch, &outcomes).await
+    {
+        failed = Some(e);
+    }
     if let Some(e) = failed {
         tracing::debug!(error = %e, completions = batch.len(), "a batch of completions failed; completing one by one");
         tx.rollback().await.db()?;
@@ -574,6 +582,7 @@ async fn complete(
     .await?;
     let done = complete_locked(&tx, days, completing).await?;
     if done {
+        count_completions(&tx, std::slice::from_ref(completing), &[Ok(true)]).await?;
         tx.commit().await.db()?;
     }
     Ok(done)
@@ -602,6 +611,59 @@ async fn complete_locked(
     };
     apply(tx, days, id, &row, effect).await?;
     Ok(true)
+}
+
+/// Adds the recorded completions of `batch` (those whose outcome is `true`) to their minutes'
+/// counts. Last in the transaction, so the counts' row locks are held only until the commit,
+/// and in one statement in the order of their keys, so two batches counting into the same
+/// rows wait for each other in one order, never in a circle.
+async fn count_completions(
+    tx: &Transaction<'_>,
+    batch: &[Completing],
+    outcomes: &[Result<bool, StoreError>],
+) -> Result<(), StoreError> {
+    let mut tallies: BTreeMap<(Millis, i16), Tally> = BTreeMap::new();
+    for (completing, outcome) in batch.iter().zip(outcomes) {
+        if matches!(outcome, Ok(true)) {
+            let key = (
+                counts::minute_of(completing.now),
+                i16::from(completing.lease.message.id.partition()),
+            );
+            let tally = Tally::of(completing.completion);
+            tallies
+                .entry(key)
+                .and_modify(|t| *t = t.plus(tally))
+                .or_insert(tally);
+        }
+    }
+    if tallies.is_empty() {
+        return Ok(());
+    }
+    let n = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    let minutes: Vec<Millis> = tallies.keys().map(|k| k.0).collect();
+    let slots: Vec<i16> = tallies.keys().map(|k| k.1).collect();
+    let deliveries: Vec<i64> = tallies.values().map(|t| n(t.deliveries)).collect();
+    let failures: Vec<i64> = tallies.values().map(|t| n(t.failures)).collect();
+    let dead: Vec<i64> = tallies.values().map(|t| n(t.dead)).collect();
+    let statement = tx
+        .prepare_cached(
+            "INSERT INTO delivery_counts (minute, slot, deliveries, failures, dead) \
+             SELECT * FROM unnest($1::int8[], $2::int2[], $3::int8[], $4::int8[], $5::int8[]) \
+             AS c (minute, slot, deliveries, failures, dead) ORDER BY minute, slot \
+             ON CONFLICT (minute, slot) DO UPDATE SET \
+             deliveries = delivery_counts.deliveries + excluded.deliveries, \
+             failures = delivery_counts.failures + excluded.failures, \
+             dead = delivery_counts.dead + excluded.dead",
+        )
+        .await
+        .db()?;
+    tx.execute(
+        &statement,
+        &[&minutes, &slots, &deliveries, &failures, &dead],
+    )
+    .await
+    .db()?;
+    Ok(())
 }
 
 /// Applies store::lifecycle::release.

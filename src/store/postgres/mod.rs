@@ -76,8 +76,8 @@ use self::days::{Days, end_day};
 use self::listen::Listener;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
-    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
-    Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, MinuteCount, OperationReservation,
+    Page, Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
     WorkSignal,
 };
 use crate::clock::Millis;
@@ -443,6 +443,18 @@ impl Store for PostgresStore {
     async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
         self.db
             .call(|client| reads::oldest_unfinished(client).boxed())
+            .await
+    }
+
+    async fn minute_counts(
+        &self,
+        since: Millis,
+        now: Millis,
+    ) -> Result<Vec<MinuteCount>, StoreError> {
+        self.db
+            .call(move |client| {
+                async move { reads::minute_counts(client, since, now).await }.boxed()
+            })
             .await
     }
 

@@ -13,6 +13,7 @@ use tokio_postgres::types::ToSql;
 use super::NOT_GONE;
 use super::error::{Db, column, corrupt};
 use crate::clock::Millis;
+use crate::store::counts::{self, MinuteCount};
 use crate::store::{
     HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
     StoreError, matches_filter,
@@ -160,6 +161,39 @@ pub(super) async fn depth(client: &Client) -> Result<QueueDepth, StoreError> {
         }
     }
     Ok(depth)
+}
+
+/// Store::minute_counts: the window from `since` at `now`, every slot of a minute summed.
+pub(super) async fn minute_counts(
+    client: &Client,
+    since: Millis,
+    now: Millis,
+) -> Result<Vec<MinuteCount>, StoreError> {
+    let (first, last) = counts::window(since, now);
+    let statement = client
+        .prepare_cached(
+            "SELECT minute, sum(deliveries)::bigint, sum(failures)::bigint, sum(dead)::bigint \
+             FROM delivery_counts WHERE minute >= $1 AND minute <= $2 \
+             GROUP BY minute ORDER BY minute",
+        )
+        .await
+        .db()?;
+    let rows = client.query(&statement, &[&first, &last]).await.db()?;
+    let count = |row: &Row, i: usize| -> Result<u64, StoreError> {
+        Ok(u64::try_from(column::<i64>(row, i)?).unwrap_or(0))
+    };
+    let rows = rows
+        .iter()
+        .map(|row| {
+            Ok(MinuteCount {
+                minute: column(row, 0)?,
+                deliveries: count(row, 1)?,
+                failures: count(row, 2)?,
+                dead: count(row, 3)?,
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok(rows)
 }
 
 pub(super) async fn payment_status(

@@ -4,6 +4,8 @@
 //!   deleted in bounded batches ([`SWEEP_LIMIT`] per table and call) that skip rows another
 //!   transaction holds, so a sweep never waits for a writer. Vacuum reuses their space: those
 //!   tables stay the size of what is alive.
+//! * A minute's delivery counts (store/counts.rs) go once their lifetime is over, in the same
+//!   bounded, skip-locked batches.
 //! * Finished messages go by the sweep horizon, raised to `now`: every read and resend treats
 //!   a message whose end is at or below it as gone, at once, without touching its row. Their
 //!   day partitions, once the horizon passed each one's last millisecond, are dropped whole
@@ -16,6 +18,7 @@ use super::DB_NOW_MS;
 use super::days::Days;
 use super::error::{Db, column};
 use crate::clock::Millis;
+use crate::store::counts::COUNT_LIFETIME_MS;
 use crate::store::{SWEEP_LIMIT, StoreError};
 
 /// Each expiring table and its key column.
@@ -53,6 +56,18 @@ pub(super) async fn sweep(
         let gone = client.execute(&statement, params).await.db()?;
         deleted += usize::try_from(gone).unwrap_or(usize::MAX);
     }
+    let statement = client
+        .prepare_cached(
+            "DELETE FROM delivery_counts WHERE (minute, slot) IN (SELECT minute, slot \
+             FROM delivery_counts WHERE minute <= $2 LIMIT $1 FOR UPDATE SKIP LOCKED)",
+        )
+        .await
+        .db()?;
+    let gone = client
+        .execute(&statement, &[&limit, &(now - COUNT_LIFETIME_MS)])
+        .await
+        .db()?;
+    deleted += usize::try_from(gone).unwrap_or(usize::MAX);
     let row = client
         .query_one(
             "UPDATE sweep_horizon SET swept_to = greatest(swept_to, $1) RETURNING swept_to",

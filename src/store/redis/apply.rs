@@ -7,8 +7,9 @@
 
 use redis::{Cmd, Value};
 
-use super::{RedisStore, corrupt, decode, decode_message, script_call, to_json};
+use super::{RedisStore, corrupt, counts, decode, decode_message, script_call, to_json};
 use crate::clock::Millis;
+use crate::store::counts::Tally;
 use crate::store::lifecycle::{Effect, Field, QueueMove, Snapshot};
 use crate::store::{ANSWER_BODY_ROWS, HISTORY_TAIL, MessageId, NewMessage, StoreError};
 
@@ -59,24 +60,26 @@ fn call(
     id: &MessageId,
     ordering_key: &str,
     effect: &Effect,
+    tally: Option<Tally>,
     now: Millis,
 ) -> Result<Cmd, StoreError> {
     let keys = store.keys.of_id(id);
     let before = effect.guard.expected.state;
     let after = effect.changes.state.unwrap_or(before);
-    let mut call = script_call(
-        &store.scripts.apply,
-        &[
-            keys.message(id),
-            keys.attempts(id),
-            keys.due(),
-            keys.lease(),
-            keys.queue(ordering_key),
-            keys.index(before),
-            keys.index(after),
-            keys.buckets(),
-        ],
-    );
+    let mut names = vec![
+        keys.message(id),
+        keys.attempts(id),
+        keys.due(),
+        keys.lease(),
+        keys.queue(ordering_key),
+        keys.index(before),
+        keys.index(after),
+        keys.buckets(),
+    ];
+    if tally.is_some() {
+        names.push(keys.counts(counts::hour_of(now)));
+    }
+    let mut call = script_call(&store.scripts.apply, &names);
     let history = effect.history.as_ref().map(to_json).transpose()?;
     let (queue, queue_due) = match effect.queue {
         QueueMove::Stay => ("", String::new()),
@@ -131,18 +134,26 @@ fn call(
         call.arg(*field).arg(value);
     }
     call.arg(dels.len()).arg(&dels);
+    let increments = tally.map_or_else(Vec::new, |t| counts::increments(t, now));
+    call.arg(increments.len());
+    for (field, n) in &increments {
+        call.arg(field).arg(n);
+    }
+    call.arg(counts::lifetime_ms(now));
     Ok(call)
 }
 
-/// Writes `effect` to message `id` of `ordering_key` if its guard still holds.
+/// Writes `effect` to message `id` of `ordering_key` if its guard still holds, and then counts
+/// `tally` (a completion's) in `now`'s minute.
 pub(super) async fn apply(
     store: &RedisStore,
     id: &MessageId,
     ordering_key: &str,
     effect: &Effect,
+    tally: Option<Tally>,
     now: Millis,
 ) -> Result<Applied, StoreError> {
-    let call = call(store, id, ordering_key, effect, now)?;
+    let call = call(store, id, ordering_key, effect, tally, now)?;
     let reply: i64 = store.eval(&store.scripts.apply, &call).await?;
     Ok(match reply {
         0 => Applied::Stale,

@@ -11,6 +11,7 @@ use super::keys;
 use super::{RedisStore, corrupt, one_call, script_call, to_json};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
+use crate::store::counts::Tally;
 use crate::store::ids::claim_tail;
 use crate::store::lifecycle::{self, Effect, QueueMove, Snapshot};
 use crate::store::{
@@ -120,6 +121,7 @@ async fn decide_and_apply<T>(
     ordering_key: &str,
     first: Option<Snapshot>,
     now: Millis,
+    tally: Option<Tally>,
     decide: impl Fn(Option<&Snapshot>) -> (T, Option<Effect>),
 ) -> Result<T, StoreError> {
     let mut snapshot = match first {
@@ -131,7 +133,7 @@ async fn decide_and_apply<T>(
         let Some(effect) = effect else {
             return Ok(answer);
         };
-        match apply::apply(store, id, ordering_key, &effect, now).await? {
+        match apply::apply(store, id, ordering_key, &effect, tally, now).await? {
             Applied::Done { made_due } => {
                 if made_due {
                     store.hints.wrote(id.partition());
@@ -163,6 +165,7 @@ pub(super) async fn complete(
         &claimed.message.ordering_key,
         Some(claimed.snapshot()),
         now,
+        Some(Tally::of(completion)),
         |snapshot| {
             let effect = snapshot.and_then(|s| {
                 lifecycle::complete(s, claimed.token, row.clone(), completion, now, lifetimes)
@@ -186,6 +189,7 @@ pub(super) async fn release(
         Some(claimed.snapshot()),
         // a release ends nothing: no expiry bucket is written
         next_at,
+        None,
         |snapshot| {
             let effect = snapshot.and_then(|s| lifecycle::release(s, claimed.token, next_at));
             (effect.is_some(), effect)
@@ -212,6 +216,7 @@ pub(super) async fn resend(
         &message.ordering_key,
         Some(snapshot),
         now,
+        None,
         |snapshot| lifecycle::resend(snapshot, mark.clone(), fresh_deadline, now),
     )
     .await

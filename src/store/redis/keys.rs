@@ -203,4 +203,8 @@ impl Keys {
     pub(super) fn buckets(&self) -> String {
         self.key("xb")
     }
+    /// This partition's attempts per minute in `hour` (counts.rs).
+    pub(super) fn counts(&self, hour: i64) -> String {
+        self.key(&format!("n:{hour}"))
+    }
 }

@@ -39,6 +39,7 @@ mod apply;
 mod claim;
 mod commands;
 mod connection;
+mod counts;
 mod keys;
 mod partitions;
 pub mod prefix;
@@ -57,8 +58,8 @@ use serde::Serialize;
 
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
-    Lease, ListFilter, MessageId, MessageRecord, NewMessage, OperationReservation, Page,
-    Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    Lease, ListFilter, MessageId, MessageRecord, MinuteCount, NewMessage, OperationReservation,
+    Page, Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
@@ -592,6 +593,14 @@ impl Store for RedisStore {
 
     async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
         reads::oldest_unfinished(self).await
+    }
+
+    async fn minute_counts(
+        &self,
+        since: Millis,
+        now: Millis,
+    ) -> Result<Vec<MinuteCount>, StoreError> {
+        counts::minute_counts(self, since, now).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -8,6 +8,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use super::error::{Db, corrupt};
 use super::{secs_to_ms, wall_clock_ms};
 use crate::clock::Millis;
+use crate::store::counts::{self, Tally};
 use crate::store::lifecycle::{self, Effect, Lifetimes, QueueMove, Snapshot};
 use crate::store::{
     ANSWER_BODY_ROWS, Completion, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage,
@@ -280,9 +281,31 @@ pub(super) fn complete(
         now,
         lifetimes,
     ) {
-        Some(effect) => apply(conn, id, &row, effect).map(|()| true),
+        Some(effect) => {
+            apply(conn, id, &row, effect)?;
+            count(conn, Tally::of(completion), now)?;
+            Ok(true)
+        }
         None => Ok(false),
     }
+}
+
+/// Adds a completion to its minute's counts (store/counts.rs), in the completion's savepoint.
+fn count(conn: &Connection, tally: Tally, now: Millis) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO delivery_counts (minute, deliveries, failures, dead) VALUES (?1, ?2, ?3, ?4) \
+         ON CONFLICT (minute) DO UPDATE SET deliveries = deliveries + excluded.deliveries, \
+         failures = failures + excluded.failures, dead = dead + excluded.dead",
+    )
+    .db()?
+    .execute(params![
+        counts::minute_of(now),
+        tally.deliveries as i64,
+        tally.failures as i64,
+        tally.dead as i64
+    ])
+    .db()?;
+    Ok(())
 }
 
 /// Applies store::lifecycle::release.
@@ -404,6 +427,12 @@ pub(super) fn sweep(conn: &Connection, now: Millis) -> Result<usize, StoreError>
             "DELETE FROM operations WHERE key IN \
              (SELECT key FROM operations WHERE expires_at <= ?1 LIMIT ?2)",
             wall_clock_ms(),
+        ),
+        // A minute's counts end their lifetime after the minute starts (counts::is_gone).
+        (
+            "DELETE FROM delivery_counts WHERE minute IN \
+             (SELECT minute FROM delivery_counts WHERE minute <= ?1 LIMIT ?2)",
+            now - counts::COUNT_LIFETIME_MS,
         ),
         // History first, then the messages: the same subquery picks the same rows twice.
         (

@@ -9,7 +9,8 @@
 //! |---|---|---|
 //! | 1 | the first release | seals, history counts, histories trimmed, payments kept longer |
 //! | 2 | up to commit acd07d8 | columns named after what they hold (Lua-derived before) |
-//! | 3 | now | `schema.sql` |
+//! | 3 | up to the per-minute counts (#27) | the store-kept attempts per minute |
+//! | 4 | now | `schema.sql` |
 //!
 //! Beside the layout, the `partitions` table records the store's partition count
 //! (`store.partitions`, [`settle_partitions`]). It is an addition, not a new layout: a store
@@ -23,7 +24,7 @@ use crate::store::StoreError;
 use crate::store::partitions::{self, Found, Partitions};
 
 /// The layout `schema.sql` creates.
-pub(super) const VERSION: i64 = 3;
+pub(super) const VERSION: i64 = 4;
 
 const SCHEMA: &str = include_str!("schema.sql");
 
@@ -68,6 +69,17 @@ DROP INDEX claims_by_expiry;
 CREATE INDEX dedupe_claims_by_expiry ON dedupe_claims (expires_at);
 "#;
 
+/// Version 3 → 4: attempts per minute, counted by the store (store/counts.rs). A new table
+/// only: version 3 kept its counts in process memory, so there is nothing to carry over.
+const TO_V4: &str = r#"
+CREATE TABLE delivery_counts (
+    minute     INTEGER PRIMARY KEY NOT NULL,
+    deliveries INTEGER NOT NULL DEFAULT 0,
+    failures   INTEGER NOT NULL DEFAULT 0,
+    dead       INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+"#;
+
 /// One row: the partition count, fixed when the store was first used.
 const PARTITIONS_TABLE: &str = "
 CREATE TABLE IF NOT EXISTS partitions (
@@ -105,6 +117,9 @@ pub(super) fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<i6
     }
     if version < 3 {
         step(conn, 3, |tx| tx.execute_batch(TO_V3).db())?;
+    }
+    if version < 4 {
+        step(conn, 4, |tx| tx.execute_batch(TO_V4).db())?;
     }
     Ok(version)
 }

@@ -50,8 +50,8 @@ use self::error::{Db, context, db_error};
 use self::writer::Writer;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
-    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, OperationReservation, Page,
-    Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, MinuteCount, OperationReservation,
+    Page, Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use crate::store::lifecycle::Lifetimes;
@@ -439,6 +439,15 @@ impl Store for SqliteStore {
 
     async fn oldest_unfinished(&self) -> Result<Option<MessageId>, StoreError> {
         self.read(reads::oldest_unfinished).await
+    }
+
+    async fn minute_counts(
+        &self,
+        since: Millis,
+        now: Millis,
+    ) -> Result<Vec<MinuteCount>, StoreError> {
+        self.read(move |conn| reads::minute_counts(conn, since, now))
+            .await
     }
 
     /// A command of its own with no `now`, so its batch does not sweep first and the count

@@ -6,6 +6,7 @@ use rusqlite::{Connection, OptionalExtension, params, params_from_iter};
 
 use super::error::{Db, corrupt};
 use crate::clock::Millis;
+use crate::store::counts::{self, MinuteCount};
 use crate::store::{
     HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
     StoreError, matches_filter,
@@ -166,6 +167,35 @@ pub(super) fn depth(conn: &Connection) -> Result<QueueDepth, StoreError> {
         }
     }
     Ok(depth)
+}
+
+/// Store::minute_counts: the rows of the window from `since` at `now`.
+pub(super) fn minute_counts(
+    conn: &Connection,
+    since: Millis,
+    now: Millis,
+) -> Result<Vec<MinuteCount>, StoreError> {
+    let (first, last) = counts::window(since, now);
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT minute, deliveries, failures, dead FROM delivery_counts \
+             WHERE minute >= ?1 AND minute <= ?2 ORDER BY minute",
+        )
+        .db()?;
+    let count = |n: i64| u64::try_from(n).unwrap_or(0);
+    let rows = stmt
+        .query_map(params![first, last], |r| {
+            Ok(MinuteCount {
+                minute: r.get(0)?,
+                deliveries: count(r.get(1)?),
+                failures: count(r.get(2)?),
+                dead: count(r.get(3)?),
+            })
+        })
+        .db()?
+        .collect::<Result<Vec<_>, _>>()
+        .db()?;
+    Ok(rows)
 }
 
 pub(super) fn payment_status(

@@ -1,4 +1,4 @@
--- The SQLite store's layout, version 3: what a new database is created with. Older databases
+-- The SQLite store's layout, version 4: what a new database is created with. Older databases
 -- are brought here by the upgrades in migrate.rs; the upgraded schema must equal this one
 -- (tests/store_contract.rs checks it on the fixtures of versions 1 and 2).
 -- Beside it, every database gets the one-row `partitions` table, the partition count recorded
@@ -96,3 +96,14 @@ CREATE TABLE seals (
     expires_at INTEGER NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX seals_by_expiry ON seals (expires_at);
+
+-- Attempts per minute (store::counts), counted by each completion in its transaction: the
+-- console's chart. A minute's row is deleted by the sweep once its lifetime
+-- (counts::COUNT_LIFETIME_MS, two hours) is over.
+CREATE TABLE delivery_counts (
+    -- Start of the minute, ms.
+    minute     INTEGER PRIMARY KEY NOT NULL,
+    deliveries INTEGER NOT NULL DEFAULT 0,
+    failures   INTEGER NOT NULL DEFAULT 0,
+    dead       INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;

@@ -5,14 +5,16 @@
 -- again); 2 when something was made due (which tells the caller's claim to count the
 -- partition again); else 1.
 -- KEYS: 1 message hash, 2 attempts list, 3 due zset, 4 lease zset, 5 ordering queue,
---       6 index of the state before, 7 index of the state after, 8 expiry bucket index
+--       6 index of the state before, 7 index of the state after, 8 expiry bucket index,
+--       9 (a completion's) the partition's attempts-per-minute hash of the hour (counts.rs)
 -- ARGV: 1 id, 2 now ms, 3 history row ('' = none), 4 history tail, 5 rows keeping bodies,
 --       6 due ('' = leave, '-' = not due, else ms), 7 lease end (same), 8 message end
 --       ('' = leave, '-' = live again, else ms), 9 queue move ('' | 'join' | 'leave'),
 --       10 the time the move makes its new head due, 11 guard count g, then g pairs
 --       (field, expected value: the state's name, or a number, 0 for none; the field `@due`
 --       is the message's score in the due zset), then a count s and s pairs to HSET, then a
---       count d and d fields to HDEL
+--       count d and d fields to HDEL, then a count c and c pairs (field, n) to HINCRBY in
+--       KEYS[9], then KEYS[9]'s lifetime in ms
 local id = ARGV[1]
 local now = tonumber(ARGV[2])
 local at = 12
@@ -81,6 +83,15 @@ elseif ARGV[9] == 'leave' then
     redis.call('ZADD', KEYS[3], ARGV[10], head)
     made_due = true
   end
+end
+-- a completion counts its attempt in its minute (src/store/redis/counts.rs)
+at = at + dels + 1
+local counted = tonumber(ARGV[at])
+if counted > 0 then
+  for i = 1, counted do
+    redis.call('HINCRBY', KEYS[9], ARGV[at + 2 * i - 1], ARGV[at + 2 * i])
+  end
+  redis.call('PEXPIRE', KEYS[9], ARGV[at + 2 * counted + 1])
 end
 if made_due then return 2 end
 return 1
