@@ -174,7 +174,8 @@ impl Hints {
         }
     }
 
-    /// Forgets everything (after an upgrade rewrote the partitions).
+    /// Forgets everything: after an upgrade rewrote the partitions, or when wake-ups of other
+    /// processes' work may have been missed (`wake.rs`).
     pub(super) fn forget_all(&self) {
         let mut table = self.table();
         for hint in &mut table.partitions {

@@ -65,6 +65,49 @@ fn tcp_settings(timeout: Duration) -> redis::io::tcp::TcpSettings {
         .set_user_timeout(timeout.max(Duration::from_secs(10)))
 }
 
+fn certificates(tls: &RedisTls) -> redis::TlsCertificates {
+    redis::TlsCertificates {
+        client_tls: tls.client.as_ref().map(|c| redis::ClientTlsConfig {
+            client_cert: c.cert_pem.clone(),
+            client_key: c.key_pem.clone(),
+        }),
+        root_cert: Some(tls.ca_pem.clone()),
+    }
+}
+
+/// A client of the one server at `url`, with the store's TCP settings and certificates.
+pub(super) fn client(
+    url: &str,
+    timeout: Duration,
+    tls: Option<&RedisTls>,
+) -> Result<redis::Client, StoreError> {
+    let info = url
+        .into_connection_info()
+        .map_err(unavailable)?
+        .set_tcp_settings(tcp_settings(timeout));
+    match tls {
+        None => redis::Client::open(info),
+        Some(tls) => redis::Client::build_with_tls(info, certificates(tls)),
+    }
+    .map_err(unavailable)
+}
+
+/// A client of the cluster `url` is a node of, with the same settings, to build.
+pub(super) fn cluster_client(
+    url: &str,
+    timeout: Duration,
+    tls: Option<&RedisTls>,
+) -> ClusterClientBuilder {
+    let builder = ClusterClientBuilder::new([url])
+        .connection_timeout(timeout)
+        .response_timeout(timeout)
+        .tcp_settings(tcp_settings(timeout));
+    match tls {
+        None => builder,
+        Some(tls) => builder.certs(certificates(tls)),
+    }
+}
+
 /// One primary of the store: the server itself, or a master of the cluster by address.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Primary {
@@ -117,22 +160,7 @@ impl Connection {
         timeout: Duration,
         tls: Option<&RedisTls>,
     ) -> Result<Connection, StoreError> {
-        let certificates = tls.map(|tls| redis::TlsCertificates {
-            client_tls: tls.client.as_ref().map(|c| redis::ClientTlsConfig {
-                client_cert: c.cert_pem.clone(),
-                client_key: c.key_pem.clone(),
-            }),
-            root_cert: Some(tls.ca_pem.clone()),
-        });
-        let info = url
-            .into_connection_info()
-            .map_err(unavailable)?
-            .set_tcp_settings(tcp_settings(timeout));
-        let client = match certificates.clone() {
-            None => redis::Client::open(info),
-            Some(certificates) => redis::Client::build_with_tls(info, certificates),
-        }
-        .map_err(unavailable)?;
+        let client = client(url, timeout, tls)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
@@ -161,14 +189,9 @@ impl Connection {
                 open,
             )));
         }
-        let mut builder = ClusterClientBuilder::new([url])
-            .connection_timeout(timeout)
-            .response_timeout(timeout)
-            .tcp_settings(tcp_settings(timeout));
-        if let Some(certificates) = certificates {
-            builder = builder.certs(certificates);
-        }
-        let cluster = builder.build().map_err(unavailable)?;
+        let cluster = cluster_client(url, timeout, tls)
+            .build()
+            .map_err(unavailable)?;
         let conn = tokio::time::timeout(timeout, cluster.get_async_connection())
             .await
             .map_err(|_| no_answer())?

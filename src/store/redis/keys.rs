@@ -60,6 +60,9 @@
 //! | `again` | 1 when a resend arrived while an attempt was in flight (0) |
 //! | `hn` | history rows ever recorded, kept or dropped (0) |
 //!
+//! Each partition also has a channel, `<prefix>:{pNN}:wake`, named like its keys so that on a
+//! cluster it is a shard channel of the partition's slot (`wake.rs`); nothing is stored there.
+//!
 //! Outside the partitions: `cb:schema` (the layout version), `cb:partitions` (the partition
 //! count, fixed at first use; a store without it has 16), `cb:upgrading` (the upgrade lock)
 //! and `cb:op:<hash>` (resend operations, which belong to no message), all under the
@@ -189,6 +192,12 @@ impl Keys {
     }
     pub(super) fn lease(&self) -> String {
         self.key("lease")
+    }
+    /// The partition's wake channel (`wake.rs`): a channel, not a key, named like one so that
+    /// on a cluster it is a shard channel of the partition's slot. `wake.lua` builds it from
+    /// [`Keys::due`].
+    pub(super) fn wake(&self) -> String {
+        self.key("wake")
     }
     pub(super) fn index(&self, state: MessageState) -> String {
         self.key(&format!("ix:{}", state.as_str()))

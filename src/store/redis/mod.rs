@@ -31,6 +31,10 @@
 //!   the store timeout is `Unavailable` (503), and the write stays for the retry to replay
 //!   (docs/storage.md, "Choosing a store").
 //!
+//! - **Other processes woken at once.** A script that makes work due publishes on its
+//!   partition's wake channel, and a dispatching store subscribes (`wake.rs`), so an idle
+//!   dispatcher polls every 2 s instead of every 100 ms.
+//!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
 //! `reads.rs` answers the reads; both go through the round trips defined here, over the
 //! connection of `connection.rs` (one server or a cluster: neither needs to know which).
@@ -47,9 +51,11 @@ mod reads;
 mod replaceable;
 mod scripts;
 mod upgrade;
+mod wake;
 
 use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -60,6 +66,7 @@ use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
     Lease, ListFilter, MessageId, MessageRecord, MinuteCount, NewMessage, OperationReservation,
     Page, Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    WorkSignal,
 };
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
@@ -67,6 +74,7 @@ use claim::Hints;
 use connection::{Connection, Primary, Request, is_refusal};
 use keys::KeySpace;
 use scripts::{LuaScript, Scripts};
+use wake::{WakeConfig, Waker};
 
 pub use keys::SCHEMA_VERSION;
 pub use prefix::{DEFAULT_KEY_PREFIX, key_prefix_problem};
@@ -146,7 +154,12 @@ pub struct RedisStore {
     /// How long a `WAIT` blocks, inside the round trip's timeout.
     wait_timeout_ms: u64,
     /// What this process knows of each partition's claimable work (`claim.rs`).
-    hints: Hints,
+    hints: Arc<Hints>,
+    /// Where a dispatching store subscribes to other processes' work (`wake.rs`); `None`
+    /// when it only polls.
+    wake: Option<WakeConfig>,
+    /// The subscription, opened by the first call of [`Store::work_signal`].
+    waker: OnceLock<Waker>,
 }
 
 impl RedisStore {
@@ -170,9 +183,10 @@ impl RedisStore {
         options: &RedisOptions,
     ) -> Result<RedisStore, StoreError> {
         let conn = Connection::open(url, timeout, options.tls.as_ref()).await?;
+        let cluster = conn.is_cluster();
         let mut store = RedisStore {
             conn,
-            scripts: Scripts::new(),
+            scripts: Scripts::new(cluster),
             // Only the names outside the partitions are used before the count is settled.
             keys: KeySpace::new(&options.key_prefix, Partitions::LEGACY),
             retention_secs,
@@ -180,12 +194,26 @@ impl RedisStore {
             store_clock_leases: true,
             min_replicas_acked: 0,
             wait_timeout_ms: wait_timeout_ms(timeout),
-            hints: Hints::new(0),
+            hints: Arc::new(Hints::new(0)),
+            wake: None,
+            waker: OnceLock::new(),
         };
         let found = store.found_partitions().await?;
         let partitions = crate::store::partitions::settle(options.partitions, found)?;
         store.keys = KeySpace::new(&options.key_prefix, partitions);
-        store.hints = Hints::new(usize::from(partitions.count()));
+        store.hints = Arc::new(Hints::new(usize::from(partitions.count())));
+        store.wake = Some(WakeConfig {
+            url: url.to_string(),
+            timeout,
+            tls: options.tls.clone(),
+            cluster,
+            channels: partitions
+                .all()
+                .map(|p| (store.keys.of_partition(p).wake(), p))
+                .collect(),
+            hints: Arc::clone(&store.hints),
+            shown_url: crate::redact::url_credentials(url),
+        });
         Ok(store)
     }
 
@@ -207,6 +235,13 @@ impl RedisStore {
     /// Makes every write wait for `n` replicas to acknowledge it (`store.min_replicas_acked`).
     pub fn with_min_replicas_acked(mut self, n: u32) -> RedisStore {
         self.min_replicas_acked = n;
+        self
+    }
+
+    /// Leaves the dispatcher polling often instead of subscribing to other processes' work
+    /// (`wake.rs`): for measuring what the subscription saves.
+    pub fn without_wake_ups(mut self) -> RedisStore {
+        self.wake = None;
         self
     }
 
@@ -627,5 +662,15 @@ impl Store for RedisStore {
 
     fn partitions(&self) -> Partitions {
         self.keys.partitions()
+    }
+
+    /// Changes on every wake-up another process's script published, and when the
+    /// subscription is back after a loss (`wake.rs`).
+    fn work_signal(&self) -> Option<WorkSignal> {
+        // The subscription's task needs a runtime; without one, the dispatcher polls.
+        let config = self.wake.as_ref()?;
+        tokio::runtime::Handle::try_current().ok()?;
+        let waker = self.waker.get_or_init(|| Waker::start(config.clone()));
+        Some(waker.subscribe())
     }
 }

@@ -55,12 +55,46 @@ macro_rules! grows {
     ($($part:literal),+ $(,)?) => { concat!("#!lua\n", $(include_str!($part)),+) };
 }
 
+/// The same with the wake-up of other processes (`wake.lua`): `$wake` is the command it
+/// sends, PUBLISH or SPUBLISH.
+macro_rules! grows_and_wakes {
+    ($wake:literal, $($part:literal),+ $(,)?) => {
+        concat!(
+            "#!lua\nlocal WAKE = '", $wake, "'\n",
+            include_str!("lua/wake.lua"),
+            $(include_str!($part)),+
+        )
+    };
+}
+
 impl Scripts {
-    pub(super) fn new() -> Scripts {
+    /// `cluster`: the wake-ups are sent on shard channels (`wake.rs`).
+    pub(super) fn new(cluster: bool) -> Scripts {
+        let (accept, apply) = if cluster {
+            (
+                grows_and_wakes!("SPUBLISH", "lua/expiry.lua", "lua/accept.lua"),
+                grows_and_wakes!(
+                    "SPUBLISH",
+                    "lua/history.lua",
+                    "lua/expiry.lua",
+                    "lua/apply.lua"
+                ),
+            )
+        } else {
+            (
+                grows_and_wakes!("PUBLISH", "lua/expiry.lua", "lua/accept.lua"),
+                grows_and_wakes!(
+                    "PUBLISH",
+                    "lua/history.lua",
+                    "lua/expiry.lua",
+                    "lua/apply.lua"
+                ),
+            )
+        };
         Scripts {
-            accept: LuaScript::new(grows!("lua/expiry.lua", "lua/accept.lua")),
+            accept: LuaScript::new(accept),
             claim: LuaScript::new(grows!("lua/claim.lua")),
-            apply: LuaScript::new(grows!("lua/history.lua", "lua/expiry.lua", "lua/apply.lua")),
+            apply: LuaScript::new(apply),
             // Only deletes: it must run at OOM too, since it is what frees memory.
             sweep: LuaScript::new(concat!(
                 "#!lua flags=allow-oom\n",

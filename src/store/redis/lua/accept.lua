@@ -1,7 +1,8 @@
 -- Applies store::lifecycle::accept (src/store/lifecycle/rules.rs) in one atomic step: checks
 -- the live claim, seal and payment status as the rule does, and writes the plan Rust made
 -- (lifecycle::accept_plan): the claim's, seal's, payment's and message's ends, the message's
--- first state and its place in its queue.
+-- first state and its place in its queue. A message that heads its queue and is due now wakes
+-- other processes' dispatchers (wake.lua).
 -- KEYS: 1 dedupe, 2 message hash, 3 ordering queue, 4 due zset, 5 index of the initial state,
 --       6 index of the ordering key, 7 payment status, 8 expiry bucket index,
 --       9 signature seal (a key that never exists when there is no seal)
@@ -89,6 +90,7 @@ else
 end
 if ARGV[16] ~= '' and redis.call('RPUSH', KEYS[3], id) == 1 then
   redis.call('ZADD', KEYS[4], ARGV[16], id)
+  if tonumber(ARGV[16]) <= now then wake_dispatchers(KEYS[4]) end
 end
 redis.call('ZADD', KEYS[5], 0, id)
 redis.call('ZADD', KEYS[6], 0, id)

@@ -1,6 +1,7 @@
 -- Applies one effect of store::lifecycle (src/store/lifecycle/effect.rs) to a message, if the
 -- message still reads as the rule that decided it read it. It decides nothing: every state,
--- time and lifetime comes from the caller (src/store/redis/apply.rs).
+-- time and lifetime comes from the caller (src/store/redis/apply.rs). What it makes due by `now`
+-- wakes other processes' dispatchers (wake.lua).
 -- Answers 0 when the guard fails (nothing written: the caller reads again and asks the rule
 -- again); 2 when something was made due (which tells the caller's claim to count the
 -- partition again); else 1.
@@ -51,11 +52,14 @@ if ARGV[3] ~= '' then
   append_history(KEYS[1], KEYS[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]))
 end
 local made_due = false
+-- whether this makes something due by now: other processes' dispatchers are woken for it
+local due_now = false
 if ARGV[6] == '-' then
   redis.call('ZREM', KEYS[3], id)
 elseif ARGV[6] ~= '' then
   redis.call('ZADD', KEYS[3], ARGV[6], id)
   made_due = true
+  due_now = tonumber(ARGV[6]) <= now
 end
 if ARGV[7] == '-' then
   redis.call('ZREM', KEYS[4], id)
@@ -75,6 +79,7 @@ if ARGV[9] == 'join' then
   if redis.call('RPUSH', KEYS[5], id) == 1 then
     redis.call('ZADD', KEYS[3], ARGV[10], id)
     made_due = true
+    due_now = due_now or tonumber(ARGV[10]) <= now
   end
 elseif ARGV[9] == 'leave' then
   redis.call('LREM', KEYS[5], 1, id)
@@ -82,6 +87,7 @@ elseif ARGV[9] == 'leave' then
   if head then
     redis.call('ZADD', KEYS[3], ARGV[10], head)
     made_due = true
+    due_now = due_now or tonumber(ARGV[10]) <= now
   end
 end
 -- a completion counts its attempt in its minute (src/store/redis/counts.rs)
@@ -93,5 +99,6 @@ if counted > 0 then
   end
   redis.call('PEXPIRE', KEYS[9], ARGV[at + 2 * counted + 1])
 end
+if due_now then wake_dispatchers(KEYS[3]) end
 if made_due then return 2 end
 return 1
