@@ -396,6 +396,19 @@ async fn measure_dispatch(env: &Env, target: &Target, report: &mut Report) -> Re
         ));
     }
     finish(dispatcher, label, "dispatch", report);
+
+    // The same window with no callbackd connected: what the servers spend by themselves
+    // (serverCron, the AOF's fsync every second, a cluster's bus), which the idle row above
+    // includes. The dispatcher's own cost is the difference.
+    let alone = Sample::take(target, None);
+    tokio::time::sleep(idle).await;
+    let alone_later = Sample::take(target, None);
+    report.row(
+        format!(
+            "{label}: no callbackd connected, the servers' own CPU µs per second (over {idle_secs:.1} s)"
+        ),
+        alone.per_op(&alone_later, target, idle_secs),
+    );
     Ok(())
 }
 
