@@ -31,8 +31,9 @@
 //! | `error.rs` | PostgreSQL failures as `StoreError`s |
 //! | `durability.rs` | the start-up check of `fsync`, `synchronous_commit` and the synchronous standby |
 //! | `migrate.rs`, `migrations/` | the layout version and the SQL that builds each layout |
-//! | `accept.rs`, `commands.rs` | the lifecycle transactions: each reads, asks its `store::lifecycle` rule, applies the effect |
-//! | `batch.rs` | group commit: concurrent accepts share one transaction, each in a savepoint |
+//! | `accept_set.rs` | a batch of accepts read, decided and written as sets (three statements) |
+//! | `accept.rs`, `commands.rs` | the lifecycle transactions: each reads, asks its `store::lifecycle` rule, applies the effect; an accept batch one by one in savepoints when the set write is refused; completions group-committed |
+//! | `batch.rs` | group commit: concurrent accepts, and concurrent completions, share one transaction |
 //! | `listen.rs` | the wake-up across processes: `pg_notify` on commit, one `LISTEN` connection per dispatching store |
 //! | `locks.rs` | the advisory locks of keys that may have no row yet, and of ordering keys' queues |
 //! | `days.rs`, `sweep.rs` | the day partitions of finished messages; the sweep (bounded deletes, the horizon, whole days dropped) |
