@@ -19,17 +19,13 @@ use callbackd::store::postgres::{ACCEPT_WORKERS, PostgresOptions, PostgresStore}
 use callbackd::store::{AcceptOutcome, AcceptRequest, Store, StoreError};
 use postgres_support::PostgresServer;
 use support::sink::Sink;
+use support::wake::{assert_woken_at_once, front_and_back};
 use support::{TestServer, config, eventually, notification_request};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const RETENTION_SECS: u64 = 2_592_000;
 const TIMEOUT: Duration = Duration::from_secs(5);
-/// A delivery woken by a notification arrives within this; the dispatcher's idle poll on
-/// PostgreSQL is 2 s, so a missed wake-up shows as a delivery late by up to 2 s. Wide enough
-/// for a loaded 2-core machine.
-const WOKEN_WITHIN: Duration = Duration::from_millis(600);
-
 fn database_name(url: &str) -> &str {
     url.rsplit('/').next().unwrap_or_default()
 }
@@ -53,47 +49,6 @@ async fn raw_client(url: &str) -> tokio_postgres::Client {
         .expect("a raw connection");
     tokio::spawn(connection);
     client
-}
-
-/// Two callbackd apps on one database: `front` accepts (its dispatcher off), `back` delivers
-/// to `sink`.
-async fn front_and_back(db: &str, sink: &Sink) -> (TestServer, TestServer) {
-    let forward = format!("{}/forward", sink.url);
-    let mut front = config(db, Some(&forward));
-    front.dispatch.enabled = false;
-    let front = TestServer::start(front).await;
-    let back = TestServer::start(config(db, Some(&forward))).await;
-    (front, back)
-}
-
-/// Posts callback `n` through `front` and returns how long until the sink had it.
-async fn delivered_after(front: &TestServer, sink: &Sink, n: usize) -> Duration {
-    let before = sink.count();
-    let started = Instant::now();
-    let body = format!(r#"{{"id":"tx-wake-{n}","status":"PAID","amount":100}}"#);
-    let answer = front.post_callback("payzu", &body, None).await;
-    assert_eq!(answer.status(), 200, "accepted");
-    while sink.count() == before {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "callback {n} never delivered"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    started.elapsed()
-}
-
-/// Three callbacks 800 ms apart: with the 2 s idle poll alone, at most one of them could be
-/// found by a poll within [`WOKEN_WITHIN`], so each arriving in time shows the wake-up.
-async fn assert_woken_at_once(front: &TestServer, sink: &Sink, first: usize) {
-    for n in first..first + 3 {
-        let took = delivered_after(front, sink, n).await;
-        assert!(
-            took < WOKEN_WITHIN,
-            "callback {n} accepted by one process took {took:?} to be delivered by the other"
-        );
-        tokio::time::sleep(Duration::from_millis(800)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

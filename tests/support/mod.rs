@@ -5,6 +5,7 @@ pub mod fault_proxy;
 pub mod process;
 pub mod redis;
 pub mod sink;
+pub mod wake;
 
 use std::path::Path;
 use std::sync::Arc;
