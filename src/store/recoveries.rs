@@ -8,8 +8,9 @@
 //! recorded) or **replay** (the dedupe key was already claimed and the first answer given
 //! again), in the same atomic step as the accept itself (no round trip of its own). A
 //! recovery's report is the sum of its source's counts from the minute it started to the end
-//! of its counting window, read by any process alike. So it counts the source's ordinary
-//! traffic of that period too: it is exact for a source that is otherwise quiet, and an upper
+//! of its counting window, less what that first minute held when it started (its
+//! `baseline`), read by any process alike. So it counts the source's ordinary traffic of that
+//! period too: it is exact for a source that is otherwise quiet, and an upper
 //! bound otherwise (docs/operations.md says so).
 //!
 //! Both are bounded: a minute's counts live [`INBOUND_COUNT_LIFETIME_MS`] (the sweep, or a
@@ -90,6 +91,15 @@ impl InboundCount {
             replays: self.replays + other.replays,
         }
     }
+
+    /// What `self` counted beyond `earlier` (a count never goes down; the saturation only
+    /// guards against counts that were swept in between).
+    pub fn since(self, earlier: InboundCount) -> InboundCount {
+        InboundCount {
+            new: self.new.saturating_sub(earlier.new),
+            replays: self.replays.saturating_sub(earlier.replays),
+        }
+    }
 }
 
 /// The first and last minute a read of counts from `since` to `until` at `now` sums: from
@@ -121,6 +131,10 @@ pub struct Recovery {
     pub count_until: Millis,
     /// The range split in windows the provider accepts, each with what it answered.
     pub windows: Vec<RecoveryWindow>,
+    /// What the source's counts already held of `started_at`'s minute when it started: taken
+    /// off its figures, so what arrived earlier in that minute is not reported as its own.
+    #[serde(default)]
+    pub baseline: InboundCount,
     /// The figures, written once the counting window is over; until then they are read from
     /// the counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]

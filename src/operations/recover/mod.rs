@@ -10,8 +10,8 @@
 //!   fails recorded with its error while the others are still sent), detached from the
 //!   request so a client that hangs up does not leave it half-sent, and records each answer.
 //! - [`report`] reads its figures: the store's inbound counts of the source
-//!   (store/recoveries.rs) from the minute it started to the end of its counting window, the
-//!   same in every process. Ordinary traffic of the source in that period is counted too.
+//!   (store/recoveries.rs) from the minute it started to the end of its counting window, less
+//!   what that minute held when it started, the same in every process. Ordinary traffic of the source in that period is counted too.
 //!   Once the window is over, the figures are written into the recovery (settled), so they
 //!   outlive the counts.
 
@@ -161,7 +161,13 @@ pub async fn start(app: Arc<App>, asked: RecoverRequest) -> Result<RecoveryRepor
         .and_then(|s| s.provider_api.clone())
         .ok_or_else(|| refused("source", "has no provider API"))?;
     let count_ms = asked.count_secs.unwrap_or(DEFAULT_COUNT_SECS) as Millis * 1000;
+    // What the start's minute already counted is not this recovery's.
+    let baseline = app
+        .store
+        .inbound_counts(&asked.source, now, now, now)
+        .await?;
     let recovery = Recovery {
+        baseline,
         id: Recovery::new_id(now),
         source: asked.source,
         started_at: now,
@@ -265,7 +271,8 @@ pub async fn report(app: &App, mut recovery: Recovery) -> Result<RecoveryReport,
             recovery.count_until,
             now,
         )
-        .await?;
+        .await?
+        .since(recovery.baseline);
     // The window's last minute is over: nothing more can be counted in it.
     let over = now >= minute_of(recovery.count_until) + MINUTE_MS;
     if over {
