@@ -263,7 +263,10 @@ async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
         server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
         "1,2,3"
     );
-    assert_eq!(server.psql("SELECT sum(deliveries) FROM delivery_counts"), "7");
+    assert_eq!(
+        server.psql("SELECT sum(deliveries) FROM delivery_counts"),
+        "7"
+    );
     assert_eq!(
         store.get(&kept.id).await.unwrap().map(|r| r.state),
         Some(MessageState::Pending)
