@@ -160,17 +160,20 @@ impl Harness {
     /// Keys (Redis) or rows (SQLite) the store holds: what retention must bring back down.
     fn footprint(&self) -> u64 {
         match &self.backend {
-            // Less the attempts-per-minute hashes, which end by their Redis TTL (at most three
-            // hours of the server's time, `minute_counts_end_with_their_lifetime`), not by the
-            // virtual clock's sweep.
+            // Less the attempts-per-minute and inbound-count hashes, which end by their Redis
+            // TTL (hours or days of the server's time, `minute_counts_end_with_their_lifetime`,
+            // `inbound_accepts_are_counted_per_source_and_minute_until_their_lifetime`), not by
+            // the virtual clock's sweep.
             Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
                 let all: u64 = server.cli(&["DBSIZE"]).parse().expect("DBSIZE");
-                all - h_count_hashes(server).len() as u64
+                let inbound = server.cli(&["--scan", "--pattern", "*:in:*"]).lines().count();
+                all - h_count_hashes(server).len() as u64 - inbound as u64
             }
             Backend::Cluster { prefix } => {
                 let cluster = RedisCluster::shared();
                 cluster.count_keys(&format!("{prefix}:*"))
                     - cluster.count_keys(&format!("{prefix}:*:n:*"))
+                    - cluster.count_keys(&format!("{prefix}:*:in:*"))
             }
             // A finished message at or below the sweep horizon is gone to every read, and its
             // day partition is dropped whole once the horizon passes the day's end: what
