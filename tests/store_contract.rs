@@ -166,7 +166,10 @@ impl Harness {
             // the virtual clock's sweep.
             Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
                 let all: u64 = server.cli(&["DBSIZE"]).parse().expect("DBSIZE");
-                let inbound = server.cli(&["--scan", "--pattern", "*:in:*"]).lines().count();
+                let inbound = server
+                    .cli(&["--scan", "--pattern", "*:in:*"])
+                    .lines()
+                    .count();
                 all - h_count_hashes(server).len() as u64 - inbound as u64
             }
             Backend::Cluster { prefix } => {
