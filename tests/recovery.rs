@@ -11,7 +11,7 @@ mod support;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use callbackd::clock::{format_iso, parse_rfc3339};
+use callbackd::clock::{Clock, format_iso, parse_rfc3339};
 use postgres_support::PostgresServer;
 use serde_json::{Value, json};
 use support::payzu::{API_TOKEN, FakePayzu, Transaction};
@@ -110,9 +110,10 @@ async fn recovery_reports_what_the_provider_resent(fake: &FakePayzu, urls: &[&st
     let txs = transactions(from);
     fake.add(txs.clone());
     fake.target(urls);
-    // What callbackd had before the recovery: in the minute it starts, too, which is not its.
+    // What callbackd had before the recovery: in the minute it starts, too, which is not its;
+    // signed earlier, so the resends are replays of the event, not of the signature.
     for tx in [&txs[0], &txs[2]] {
-        assert_eq!(fake.post(tx).await, (200, false));
+        assert_eq!(fake.post_signed_ago(tx, 30).await, (200, false));
     }
 
     let (status, started) = post_recovery(
@@ -379,4 +380,64 @@ async fn the_cli_recovers_and_prints_the_report() {
         stderr.contains("invalid_recovery") && stderr.contains("provider_api_url"),
         "{stderr}"
     );
+}
+
+/// On a virtual clock: once its counting window is over, a recovery's figures are written into
+/// it at its next read and outlive the counts; one nobody read in time shows none. Two
+/// recoveries of one source counting at once count the same callbacks (documented).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn figures_are_settled_when_counting_ends_and_outlive_the_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakePayzu::start(PAYZU_SECRET).await;
+    let store = format!("sqlite://{}", dir.path().join("cb.db").display());
+    let mut config = support::config(&store, None);
+    let payzu = config.sources.get_mut("payzu").unwrap();
+    payzu.provider_api_url = Some(fake.url.clone());
+    payzu.provider_api_token = Some(callbackd::redact::Secret::new(API_TOKEN));
+    let start = now_ms();
+    let clock = std::sync::Arc::new(callbackd::clock::ManualClock::new(start));
+    let server = support::TestServer::start_with_clock(config, clock.clone()).await;
+    fake.target(&[&server.url]);
+    let from = start - 20 * DAY_MS;
+    fake.add(transactions(from));
+    let body = json!({"source": "payzu", "from": format_iso(from), "to": format_iso(start),
+                      "countSecs": 60});
+
+    let (status, first) = post_recovery(&server.url, &body).await;
+    assert_eq!(status, 201, "{first}");
+    let first = first["id"].as_str().unwrap().to_string();
+    assert_eq!(settled_figures(&server.url, &first, 5).await, (5, 0));
+    let (status, second) = post_recovery(&server.url, &body).await;
+    assert_eq!(status, 201, "{second}");
+    let second = second["id"].as_str().unwrap().to_string();
+    assert_eq!(settled_figures(&server.url, &second, 5).await, (0, 5));
+    assert_eq!(
+        settled_figures(&server.url, &first, 10).await,
+        (5, 5),
+        "overlapping windows count the same callbacks"
+    );
+
+    clock.advance(2 * 60_000);
+    let read = admin_get(&server.url, &format!("/v1/admin/recoveries/{first}")).await;
+    assert_eq!(read["counting"], false);
+    assert_eq!(
+        (read["new"].clone(), read["replays"].clone()),
+        (json!(5), json!(5))
+    );
+
+    // Days later the counts are gone: the first kept its figures, the second, never read
+    // since its window ended, has none.
+    clock.advance(3 * DAY_MS);
+    server.app.store.sweep(clock.now_ms()).await.unwrap();
+    let read = admin_get(&server.url, &format!("/v1/admin/recoveries/{first}")).await;
+    assert_eq!(
+        (read["new"].clone(), read["replays"].clone()),
+        (json!(5), json!(5))
+    );
+    let read = admin_get(&server.url, &format!("/v1/admin/recoveries/{second}")).await;
+    assert_eq!(
+        (read["new"].clone(), read["replays"].clone()),
+        (json!(null), json!(null))
+    );
+    server.stop().await;
 }

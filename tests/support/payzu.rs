@@ -112,6 +112,12 @@ impl FakePayzu {
 
     /// Posts one transaction's callback, signed now, to the next target; callbackd's answer.
     pub async fn post(&self, tx: &Transaction) -> (u16, bool) {
+        self.post_signed_ago(tx, 0).await
+    }
+
+    /// [`FakePayzu::post`], signed `secs` ago (within the source's tolerance): the first
+    /// delivery of a callback, made earlier than its resend, whose signature differs.
+    pub async fn post_signed_ago(&self, tx: &Transaction, secs: i64) -> (u16, bool) {
         let target = {
             let mut inner = self.inner.lock().unwrap();
             let n = inner.targets.len().max(1);
@@ -122,7 +128,8 @@ impl FakePayzu {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
-            .as_secs() as i64;
+            .as_secs() as i64
+            - secs;
         let signature = sign_payzu(self.secret.as_bytes(), now, tx.body.as_bytes());
         let response = self
             .client
