@@ -310,6 +310,15 @@ fn check_config(arg: ConfigArg) -> Result<(), String> {
             Partitions::DEFAULT
         ),
     }
+    // Which sources a recovery can reach; the URL is shown, never the token.
+    for (name, source) in &config.sources {
+        if let Some(url) = &source.provider_api_url {
+            println!(
+                "recovery: source {name} reaches its provider's API at {} (callbackd recover)",
+                callbackd::redact::url_credentials(url)
+            );
+        }
+    }
     Ok(())
 }
 
