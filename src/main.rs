@@ -462,8 +462,8 @@ async fn messages(command: MessagesCommand) -> Result<(), String> {
 }
 
 /// `callbackd recover`: starts the recovery, then, with `--wait`, polls its report until its
-/// figures stop changing (the same twice, 2 s apart, once every window was answered) or the
-/// wait ends; prints the report as a summary and the API's JSON.
+/// figures stop changing (the same twice, 2 s apart) or reach what the provider said it would
+/// resend, or the wait ends; prints the report as a summary and the API's JSON.
 async fn recover(remote: Remote, body: Value, wait: Option<u64>) -> Result<(), String> {
     let started = call_admin_within(
         &remote,
@@ -500,7 +500,11 @@ async fn recover(remote: Remote, body: Value, wait: Option<u64>) -> Result<(), S
             )
             .await?;
             let now = figures(&report);
-            if now == last && now.0.as_u64().unwrap_or(0) + now.1.as_u64().unwrap_or(0) > 0 {
+            let arrived = now.0.as_u64().unwrap_or(0) + now.1.as_u64().unwrap_or(0);
+            // Everything the provider said it would resend has arrived, or nothing more came
+            // in a poll's time after something did.
+            let requested = report["requested"].as_u64().unwrap_or(0);
+            if (requested > 0 && arrived >= requested) || (now == last && arrived > 0) {
                 break;
             }
             last = now;
