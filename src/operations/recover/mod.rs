@@ -273,9 +273,15 @@ pub async fn report(app: &App, mut recovery: Recovery) -> Result<RecoveryReport,
         )
         .await?
         .since(recovery.baseline);
-    // The window's last minute is over: nothing more can be counted in it.
+    // The window's last minute is over: nothing more can be counted in it. Not while a
+    // window is still being sent: the sender saves the recovery after each window, and a
+    // settled copy written from an older read would undo its answers.
     let over = now >= minute_of(recovery.count_until) + MINUTE_MS;
-    if over {
+    let sent = recovery
+        .windows
+        .iter()
+        .all(|w| w.state != WindowState::Pending);
+    if over && sent {
         recovery.settled = Some(counts);
         app.store.save_recovery(&recovery, now).await?;
     }
