@@ -52,8 +52,38 @@ function heldHosts(hosts) {
     h('p', { class: 'muted', text: 'As this process\'s dispatcher sees them (each process keeps its own breakers). Waiting: the messages at the head of their payment\'s queue that it held back for the host and has not let through yet; messages queued behind them are not counted.' }));
 }
 
+// The latest provider-side recoveries (GET /v1/admin/recoveries): what each asked the
+// provider to resend, what it answered per window, and the source's callbacks counted since,
+// new and replayed (the source's ordinary traffic of that period included).
+function recentRecoveries(recoveries) {
+  const shown = recoveries.slice(0, 10);
+  const figure = (n) => (n === null || n === undefined ? '—' : n);
+  const windows = (r) => {
+    const failed = r.windows.filter((w) => w.state === 'failed');
+    const text = `${r.windows.length} × ≤ 7 days` + (failed.length ? `, ${failed.length} failed` : '');
+    return h('td', { class: failed.length ? 'fail' : '', title: failed.map((w) => w.error).join('\n'), text });
+  };
+  return h('div', { class: 'card', id: 'recoveries' },
+    h('h2', { text: `Recent recoveries (${recoveries.length})` }),
+    shown.length
+      ? h('table', { id: 'recoveries-table' },
+        h('thead', {}, h('tr', {}, ['Started', 'Source', 'Range', 'Windows', 'Provider totals', 'New', 'Replays', ''].map((t) => h('th', { text: t })))),
+        h('tbody', {}, shown.map((r) => h('tr', { class: 'recovery', 'data-id': r.id },
+          h('td', { text: r.startedAt }),
+          h('td', { text: r.source }),
+          h('td', { text: `${r.from} – ${r.to}` }),
+          windows(r),
+          h('td', { class: 'num', text: r.windows.map((w) => figure(w.total)).join(' + ') + ` = ${r.requested}` }),
+          h('td', { class: 'num recovery-new', text: figure(r.new) }),
+          h('td', { class: 'num recovery-replays', text: figure(r.replays) }),
+          h('td', { class: 'muted', text: r.counting ? `counting until ${r.countUntil}` : 'counted' })))))
+      : h('p', { class: 'muted', id: 'no-recoveries', text: 'No recovery in the last 30 days: run `callbackd recover` to ask a provider to resend its callbacks.' }),
+    h('p', { class: 'muted', text: 'New and replays: every callback of the source the store counted from the recovery\'s start until its counting window ends, across every process, its ordinary traffic included.' }));
+}
+
 async function overview() {
-  const [data, held] = await Promise.all([api('/v1/console/overview'), api('/v1/admin/hosts')]);
+  const [data, held, recovered] = await Promise.all([
+    api('/v1/console/overview'), api('/v1/admin/hosts'), api('/v1/admin/recoveries')]);
   const card = (id, label, value, href) => h('a', { class: 'card stat', id, href },
     h('span', { class: 'value', text: value }), h('span', { class: 'label', text: label }));
   const oldest = data.oldestPending;
@@ -74,7 +104,8 @@ async function overview() {
         h('span', { class: 'muted', id: 'total-dead', text: `of which dead-lettered: ${total('dead')}` })),
       perMinuteChart(data.perMinute),
       h('p', { class: 'muted', text: `Attempts made by every process on this store, as the store counted them. As of ${data.now}.` })),
-    heldHosts(held.hosts)));
+    heldHosts(held.hosts),
+    recentRecoveries(recovered.recoveries)));
 }
 
 function selectionFromUrl(params) {

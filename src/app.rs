@@ -15,8 +15,8 @@ use crate::config::Config;
 use crate::store::{Store, StoreError};
 
 pub use settings::{
-    AlertSettings, DispatchSettings, ForwardSettings, ServerSettings, Settings, SourceSettings,
-    Sources, StoreSettings,
+    AlertSettings, DispatchSettings, ForwardSettings, ProviderApi, ServerSettings, Settings,
+    SourceSettings, Sources, StoreSettings,
 };
 
 pub struct App {

@@ -219,6 +219,55 @@ pub fn render_table(page: &Value) -> String {
     out
 }
 
+/// A recovery's report (`GET /v1/admin/recoveries/{id}`) for a terminal: its figures, then
+/// one line per window.
+pub fn render_recovery(r: &Value) -> String {
+    let text = |v: &Value| match v {
+        Value::Null => "-".to_string(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let mut out = format!(
+        "recovery {} of {}: {} to {}\n",
+        text(&r["id"]),
+        text(&r["source"]),
+        text(&r["from"]),
+        text(&r["to"])
+    );
+    out.push_str(&format!(
+        "requested {} callback(s); arrived: {} new, {} replayed ({} until {})\n",
+        text(&r["requested"]),
+        text(&r["new"]),
+        text(&r["replays"]),
+        if r["counting"] == Value::Bool(true) {
+            "counting"
+        } else {
+            "counted"
+        },
+        text(&r["countUntil"])
+    ));
+    let empty = Vec::new();
+    for w in r["windows"].as_array().unwrap_or(&empty) {
+        let outcome = match w["state"].as_str() {
+            Some("sent") => format!("total {}", text(&w["total"])),
+            Some("failed") => format!("FAILED: {}", text(&w["error"])),
+            _ => "pending".to_string(),
+        };
+        out.push_str(&format!(
+            "  {} .. {}  {} ({} attempt(s))\n",
+            text(&w["from"]),
+            text(&w["to"]),
+            outcome,
+            text(&w["attempts"])
+        ));
+    }
+    out.push_str(
+        "new and replayed count every callback of the source in the period, its ordinary \
+         traffic included\n",
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

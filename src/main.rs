@@ -143,6 +143,32 @@ enum Command {
         #[arg(long)]
         request_id: Option<String>,
     },
+    /// Ask a source's provider to resend its callbacks of a time range (PayZu's
+    /// `POST /user/callbacks/resend`, in windows of at most 7 days, at most 30 days back),
+    /// then report how many that arrived were new events and how many replays:
+    ///   callbackd recover --source payzu --from 2026-11-10T00:00:00Z --to 2026-11-30T00:00:00Z --wait 600
+    #[command(verbatim_doc_comment)]
+    Recover {
+        #[command(flatten)]
+        remote: Remote,
+        /// Source whose provider resends (needs provider_api_url and provider_api_token)
+        #[arg(long)]
+        source: String,
+        /// Start of the range (inclusive): RFC 3339 with an offset
+        #[arg(long)]
+        from: String,
+        /// End of the range (exclusive): RFC 3339 with an offset
+        #[arg(long)]
+        to: String,
+        /// Seconds to follow the report: polls it until its figures stop changing or this
+        /// ends, then prints it [default: print the report at once]
+        #[arg(long, value_name = "SECS")]
+        wait: Option<u64>,
+        /// How long the server counts the source's arrivals for the report, 1 to 86400
+        /// [default: 3600]
+        #[arg(long)]
+        count_secs: Option<u64>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -284,6 +310,15 @@ fn check_config(arg: ConfigArg) -> Result<(), String> {
             Partitions::DEFAULT
         ),
     }
+    // Which sources a recovery can reach; the URL is shown, never the token.
+    for (name, source) in &config.sources {
+        if let Some(url) = &source.provider_api_url {
+            println!(
+                "recovery: source {name} reaches its provider's API at {} (callbackd recover)",
+                callbackd::redact::url_credentials(url)
+            );
+        }
+    }
     Ok(())
 }
 
@@ -333,6 +368,24 @@ async fn call_admin(
     body: Option<Value>,
     print: bool,
 ) -> Result<Value, String> {
+    call_admin_within(remote, method, path, query, body, print, ADMIN_CALL_TIMEOUT).await
+}
+
+/// How long an admin call may take, unless it says otherwise.
+const ADMIN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// A recovery's POST answers once every window was sent, each with up to three tries of ten
+/// seconds: five windows can take minutes.
+const RECOVERY_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+async fn call_admin_within(
+    remote: &Remote,
+    method: reqwest::Method,
+    path: &str,
+    query: &[(&str, String)],
+    body: Option<Value>,
+    print: bool,
+    timeout: Duration,
+) -> Result<Value, String> {
     let token = std::env::var(&remote.token_env).map_err(|_| {
         format!(
             "set ${} to an admin token (auth.admin_tokens)",
@@ -343,7 +396,7 @@ async fn call_admin(
         // Like deliveries, the CLI ignores HTTP(S)_PROXY / ALL_PROXY: it talks to one
         // callbackd, and an admin token should not pass through a proxy nobody configured here.
         .no_proxy()
-        .timeout(Duration::from_secs(60))
+        .timeout(timeout)
         .build()
         .map_err(|e| e.to_string())?;
     let url = format!("{}{path}", remote.url.trim_end_matches('/'));
@@ -408,6 +461,70 @@ async fn messages(command: MessagesCommand) -> Result<(), String> {
     }
 }
 
+/// `callbackd recover`: starts the recovery, then, with `--wait`, polls its report until its
+/// figures stop changing (the same twice, 2 s apart) or reach what the provider said it would
+/// resend, or the wait ends; prints the report as a summary and the API's JSON.
+async fn recover(remote: Remote, body: Value, wait: Option<u64>) -> Result<(), String> {
+    let started = call_admin_within(
+        &remote,
+        reqwest::Method::POST,
+        "/v1/admin/recoveries",
+        &[],
+        Some(body),
+        false,
+        RECOVERY_CALL_TIMEOUT,
+    )
+    .await?;
+    let id = started["id"]
+        .as_str()
+        .ok_or("the server's answer has no recovery id")?
+        .to_string();
+    let mut report = started;
+    if let Some(wait) = wait {
+        let until = tokio::time::Instant::now() + Duration::from_secs(wait);
+        let figures = |r: &Value| (r["new"].clone(), r["replays"].clone());
+        let mut last = figures(&report);
+        loop {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() || report["counting"] == Value::Bool(false) {
+                break;
+            }
+            tokio::time::sleep(left.min(RECOVERY_POLL)).await;
+            report = call_admin(
+                &remote,
+                reqwest::Method::GET,
+                &format!("/v1/admin/recoveries/{id}"),
+                &[],
+                None,
+                false,
+            )
+            .await?;
+            let now = figures(&report);
+            let arrived = now.0.as_u64().unwrap_or(0) + now.1.as_u64().unwrap_or(0);
+            // Everything the provider said it would resend has arrived, or nothing more came
+            // in a poll's time after something did.
+            let requested = report["requested"].as_u64().unwrap_or(0);
+            if (requested > 0 && arrived >= requested) || (now == last && arrived > 0) {
+                break;
+            }
+            last = now;
+        }
+    }
+    print!("{}", callbackd::cli::render_recovery(&report));
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+    );
+    let failed = report["failedWindows"].as_u64().unwrap_or(0);
+    if failed > 0 {
+        return Err(format!("{failed} window(s) failed: see their errors above"));
+    }
+    Ok(())
+}
+
+/// How often `recover --wait` reads the report.
+const RECOVERY_POLL: Duration = Duration::from_secs(2);
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -457,6 +574,20 @@ async fn main() -> ExitCode {
             )
             .await
             .map(drop)
+        }
+        Command::Recover {
+            remote,
+            source,
+            from,
+            to,
+            wait,
+            count_secs,
+        } => {
+            let mut body = json!({"source": source, "from": from, "to": to});
+            if let Some(secs) = count_secs {
+                body["countSecs"] = json!(secs);
+            }
+            recover(remote, body, wait).await
         }
     };
     match result {

@@ -43,9 +43,41 @@ pub fn url_credentials(url: &str) -> String {
     }
 }
 
+/// A secret read from the config (a provider's API token): its `Debug` is [`REDACTED`], so a
+/// config or settings struct printed to a log never shows it, and [`Secret::expose`] is the
+/// one place the value is read, where it is sent.
+#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The value, for the header it is sent in and for the config's strength checks.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_never_shows_in_debug_output() {
+        let secret = Secret::new("tok-123456789abcdef");
+        assert_eq!(format!("{secret:?}"), REDACTED);
+        assert_eq!(format!("{:?}", Some(&secret)), format!("Some({REDACTED})"));
+        assert_eq!(secret.expose(), "tok-123456789abcdef");
+    }
 
     #[test]
     fn every_query_value_is_hidden_and_the_rest_kept() {

@@ -212,3 +212,52 @@ fn check_config_names_a_bad_postgres_url_without_its_password() {
         assert!(!output.contains(secret), "{secret} shown: {output}");
     }
 }
+
+/// `check-config` names the sources a recovery can reach and their provider API's URL, and
+/// never prints the token, neither on success nor when the token is refused.
+#[test]
+fn check_config_shows_the_provider_api_but_never_its_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, token: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[store]\nurl = \"sqlite://{}\"\n[sources.payzu]\nsignature = \"payzu\"\n\
+                 secrets = [\"payzu-secret-1\"]\n\
+                 provider_api_url = \"https://api.payzu.example\"\n\
+                 provider_api_token = \"{token}\"\n",
+                dir.path().join("a.db").display()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let token = "tok-s3cret-0123456789abcdef";
+    let ok = callbackd(&[
+        "check-config",
+        "--config",
+        write("ok.toml", token).to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(ok.status.success(), "{ok:?}");
+    assert!(
+        stdout.contains("source payzu reaches its provider's API at https://api.payzu.example"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(token), "{stdout}");
+
+    let short = "s3cr";
+    let refused = callbackd(&[
+        "check-config",
+        "--config",
+        write("short.toml", short).to_str().unwrap(),
+    ]);
+    assert!(!refused.status.success(), "{refused:?}");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("sources.payzu.provider_api_token"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(short), "{stderr}");
+}

@@ -1428,7 +1428,7 @@ async fn error_and_metric_catalogues_agree_with_the_manual_spec_and_help() {
             }
         }
     }
-    assert_eq!(with_body, 3, "callbacks, notifications, resend");
+    assert_eq!(with_body, 4, "callbacks, notifications, resend, recoveries");
 
     // Emit the outcomes the issue found missing, then read the HELP lines.
     server.post_callback("nope", "{}", None).await;

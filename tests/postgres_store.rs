@@ -194,14 +194,17 @@ async fn two_processes_starting_at_once_migrate_once() {
     );
 }
 
-/// A database of layout 1 (the first release's: layout 2 only added `delivery_counts`, so
-/// this one is layout 2 with that undone) is brought to layout 2 in place: its messages stay
-/// as they were, and completions are counted from then on.
+/// A database of layout 1 (the first release's: layouts 2 and 3 only added tables, so this one
+/// is the newest layout with those undone) is brought to the newest layout in place: its
+/// messages stay as they were, and completions are counted from then on.
 #[tokio::test]
 async fn a_layout_1_database_gains_the_delivery_counts_and_keeps_its_rows() {
     let server = PostgresServer::start();
     drop(migrated(&server).await);
-    server.psql("DROP TABLE delivery_counts; DELETE FROM callbackd_layout WHERE version = 2");
+    server.psql(
+        "DROP TABLE delivery_counts, inbound_counts, recoveries; \
+         DELETE FROM callbackd_layout WHERE version >= 2",
+    );
     let client = raw_client(&server).await;
     let kept = message("src/payzu/tx-1", Some("payzu"), T0);
     insert_message(&client, &kept, MessageState::Pending, None, &[]).await;
@@ -234,6 +237,57 @@ async fn a_layout_1_database_gains_the_delivery_counts_and_keeps_its_rows() {
             .collect::<Vec<_>>(),
         [(T0, 1)]
     );
+}
+
+/// A database of layout 2 (the per-minute counts' release: layout 3 only added
+/// `inbound_counts` and `recoveries`) is brought to layout 3 in place: what it held stays,
+/// inbound accepts are counted from then on and recoveries are kept.
+#[tokio::test]
+async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
+    assert_eq!(LAYOUT_VERSION, 3);
+    let server = PostgresServer::start();
+    drop(migrated(&server).await);
+    server.psql(
+        "DROP TABLE inbound_counts, recoveries; DELETE FROM callbackd_layout WHERE version = 3; \
+         INSERT INTO delivery_counts (minute, slot, deliveries) VALUES (0, 0, 7)",
+    );
+    let client = raw_client(&server).await;
+    let kept = message("src/payzu/tx-1", Some("payzu"), T0);
+    insert_message(&client, &kept, MessageState::Pending, None, &[]).await;
+    let mut store = PostgresStore::connect(&server.url(), TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap()
+        .with_caller_clock_leases();
+    assert_eq!(store.migrate().await.unwrap(), 2, "found layout 2");
+    assert_eq!(
+        server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
+        "1,2,3"
+    );
+    assert_eq!(
+        server.psql("SELECT sum(deliveries) FROM delivery_counts"),
+        "7"
+    );
+    assert_eq!(
+        store.get(&kept.id).await.unwrap().map(|r| r.state),
+        Some(MessageState::Pending)
+    );
+    assert_eq!(
+        store.inbound_counts("payzu", T0, T0, T0).await.unwrap(),
+        callbackd::store::InboundCount::default()
+    );
+    let recovery = callbackd::store::Recovery {
+        id: callbackd::store::Recovery::new_id(T0),
+        source: "payzu".into(),
+        started_at: T0,
+        from: T0 - 1000,
+        to: T0,
+        count_until: T0 + 60_000,
+        windows: vec![],
+        baseline: Default::default(),
+        settled: None,
+    };
+    store.save_recovery(&recovery, T0).await.unwrap();
+    assert_eq!(store.recoveries(T0).await.unwrap(), [recovery]);
 }
 
 #[tokio::test]

@@ -25,6 +25,7 @@ use callbackd::store::counts;
 use callbackd::store::ids::partition_of;
 use callbackd::store::partitions::Partitions;
 use callbackd::store::postgres::PostgresStore;
+use callbackd::store::recoveries::{self, InboundCount, Recovery, RecoveryWindow, WindowState};
 use callbackd::store::redis::RedisStore;
 use callbackd::store::sqlite::{SqliteOptions, SqliteStore};
 use callbackd::store::{
@@ -159,17 +160,23 @@ impl Harness {
     /// Keys (Redis) or rows (SQLite) the store holds: what retention must bring back down.
     fn footprint(&self) -> u64 {
         match &self.backend {
-            // Less the attempts-per-minute hashes, which end by their Redis TTL (at most three
-            // hours of the server's time, `minute_counts_end_with_their_lifetime`), not by the
-            // virtual clock's sweep.
+            // Less the attempts-per-minute and inbound-count hashes, which end by their Redis
+            // TTL (hours or days of the server's time, `minute_counts_end_with_their_lifetime`,
+            // `inbound_accepts_are_counted_per_source_and_minute_until_their_lifetime`), not by
+            // the virtual clock's sweep.
             Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
                 let all: u64 = server.cli(&["DBSIZE"]).parse().expect("DBSIZE");
-                all - h_count_hashes(server).len() as u64
+                let inbound = server
+                    .cli(&["--scan", "--pattern", "*:in:*"])
+                    .lines()
+                    .count();
+                all - h_count_hashes(server).len() as u64 - inbound as u64
             }
             Backend::Cluster { prefix } => {
                 let cluster = RedisCluster::shared();
                 cluster.count_keys(&format!("{prefix}:*"))
                     - cluster.count_keys(&format!("{prefix}:*:n:*"))
+                    - cluster.count_keys(&format!("{prefix}:*:in:*"))
             }
             // A finished message at or below the sweep horizon is gone to every read, and its
             // day partition is dropped whole once the horizon passes the day's end: what
@@ -372,6 +379,8 @@ contract!(
     a_callback_claim_answers_with_its_derived_id,
     completions_are_counted_in_their_minute_in_every_partition,
     minute_counts_end_with_their_lifetime,
+    inbound_accepts_are_counted_per_source_and_minute_until_their_lifetime,
+    recoveries_are_kept_newest_first_bounded_and_for_their_lifetime,
 );
 
 /// The contract tests a store can be filled for: every engine, but not the cluster, which
@@ -977,6 +986,195 @@ async fn minute_counts_end_with_their_lifetime(h: &Harness) {
         s.minute_counts(T0, end).await.unwrap(),
         [minute(end, 0, 1, 0)]
     );
+}
+
+/// Every inbound accept of a source counts in its minute, new or replayed (store/recoveries.rs),
+/// in every partition; a notification or a refused accept counts nothing; the counts end with
+/// their lifetime.
+async fn inbound_accepts_are_counted_per_source_and_minute_until_their_lifetime(h: &Harness) {
+    const MINUTE_MS: Millis = 60_000;
+    let s = h.s();
+    let p = s.partitions();
+    let zero = InboundCount::default();
+    let count = |new, replays| InboundCount { new, replays };
+    // Twenty transactions land in many partitions.
+    for i in 0..20 {
+        let key = format!("cb/tx-{i}");
+        let tx = format!("tx-{i}");
+        let first = callback_request(&key, &tx, TTL_SECS, p, T0 + i);
+        assert_eq!(
+            s.accept(first, T0 + i).await.unwrap(),
+            AcceptOutcome::Accepted
+        );
+        if i % 4 == 0 {
+            let again = callback_request(&key, &tx, TTL_SECS, p, T0 + MINUTE_MS + i);
+            assert!(matches!(
+                s.accept(again, T0 + MINUTE_MS + i).await.unwrap(),
+                AcceptOutcome::Replayed { .. }
+            ));
+        }
+    }
+    // A refused accept (another fingerprint), a notification and another source's callback
+    // count nothing for `payzu`.
+    let mut conflicting = callback_request("cb/tx-0", "tx-0", TTL_SECS, p, T0 + 2);
+    conflicting.dedupe.fingerprint = Some("fp-other".into());
+    assert_eq!(
+        s.accept(conflicting, T0 + 2).await.unwrap(),
+        AcceptOutcome::Conflict
+    );
+    accept(s, new_message("pay/not-counted", T0), T0).await;
+    accept(s, inbound("other", "tx-o", T0), T0).await;
+
+    let now = T0 + 2 * MINUTE_MS;
+    assert_eq!(
+        s.inbound_counts("payzu", T0, now, now).await.unwrap(),
+        count(20, 5)
+    );
+    assert_eq!(
+        s.inbound_counts("payzu", T0, T0, now).await.unwrap(),
+        count(20, 0)
+    );
+    assert_eq!(
+        s.inbound_counts("payzu", T0 + MINUTE_MS + 30_000, now, now)
+            .await
+            .unwrap(),
+        count(0, 5),
+        "from the minute of `since`"
+    );
+    assert_eq!(
+        s.inbound_counts("payzu", T0, T0 + DAY_MS, T0 + 1)
+            .await
+            .unwrap(),
+        count(20, 0),
+        "not past `now`"
+    );
+    assert_eq!(
+        s.inbound_counts("other", T0, now, now).await.unwrap(),
+        count(1, 0)
+    );
+    assert_eq!(
+        s.inbound_counts("nobody", T0, now, now).await.unwrap(),
+        zero
+    );
+
+    let end = T0 + recoveries::INBOUND_COUNT_LIFETIME_MS;
+    h.sweep_all(end - 1).await;
+    assert_eq!(
+        s.inbound_counts("payzu", T0, end, end - 1).await.unwrap(),
+        count(20, 5),
+        "kept until its end"
+    );
+    assert_eq!(
+        s.inbound_counts("payzu", T0, end, end).await.unwrap(),
+        count(0, 5),
+        "the first minute is gone at its end"
+    );
+    let later = end + MINUTE_MS;
+    h.sweep_all(later).await;
+    assert_eq!(
+        s.inbound_counts("payzu", T0, later, later).await.unwrap(),
+        zero
+    );
+    match &h.backend {
+        Backend::Sqlite { path, .. } => {
+            let rows: i64 = rusqlite::Connection::open(path)
+                .unwrap()
+                .query_row("SELECT count(*) FROM inbound_counts", [], |r| r.get(0))
+                .unwrap();
+            assert_eq!(rows, 0, "swept from storage");
+        }
+        Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => {
+            for key in server.cli(&["--scan", "--pattern", "*:in:*"]).lines() {
+                let ttl: i64 = server.cli(&["PTTL", key]).trim().parse().unwrap();
+                assert!(
+                    ttl > 0 && ttl <= recoveries::INBOUND_COUNT_LIFETIME_MS + 3_600_000,
+                    "{key} {ttl}"
+                );
+            }
+        }
+        Backend::Cluster { prefix } => {
+            assert!(RedisCluster::shared().count_keys(&format!("{prefix}:*:in:*")) > 0);
+        }
+        Backend::Postgres { .. } => {}
+    }
+}
+
+fn recovery_at(started_at: Millis) -> Recovery {
+    Recovery {
+        id: Recovery::new_id(started_at),
+        source: "payzu".into(),
+        started_at,
+        from: started_at - 20 * DAY_MS,
+        to: started_at,
+        count_until: started_at + 3_600_000,
+        windows: vec![RecoveryWindow {
+            from: started_at - 20 * DAY_MS,
+            to: started_at - 13 * DAY_MS,
+            state: WindowState::Pending,
+            total: None,
+            error: None,
+            attempts: 0,
+        }],
+        baseline: InboundCount::default(),
+        settled: None,
+    }
+}
+
+/// Recoveries are saved and replaced by id, listed newest first, at most MAX_RECOVERIES of
+/// them, and gone after their lifetime.
+async fn recoveries_are_kept_newest_first_bounded_and_for_their_lifetime(h: &Harness) {
+    let s = h.s();
+    assert_eq!(s.recoveries(T0).await.unwrap(), []);
+    let first = recovery_at(T0);
+    s.save_recovery(&first, T0).await.unwrap();
+    let mut second = recovery_at(T0 + 1000);
+    s.save_recovery(&second, T0 + 1000).await.unwrap();
+    second.windows[0].state = WindowState::Failed;
+    second.windows[0].error = Some("HTTP 401 Unauthorized: {}".into());
+    second.windows[0].attempts = 1;
+    second.settled = Some(InboundCount { new: 3, replays: 2 });
+    s.save_recovery(&second, T0 + 2000).await.unwrap();
+    assert_eq!(
+        s.recoveries(T0 + 2000).await.unwrap(),
+        [second.clone(), first.clone()]
+    );
+    assert_eq!(
+        s.recovery(&second.id, T0 + 2000).await.unwrap(),
+        Some(second.clone())
+    );
+    assert_eq!(
+        s.recovery(&Recovery::new_id(T0), T0 + 2000).await.unwrap(),
+        None
+    );
+
+    // Bounded: the oldest go first.
+    let many: Vec<Recovery> = (0..recoveries::MAX_RECOVERIES as Millis)
+        .map(|i| recovery_at(T0 + 10_000 + i))
+        .collect();
+    for r in &many {
+        s.save_recovery(r, T0 + 20_000).await.unwrap();
+    }
+    let kept = s.recoveries(T0 + 20_000).await.unwrap();
+    assert_eq!(kept.len(), recoveries::MAX_RECOVERIES);
+    assert_eq!(kept[0], many[many.len() - 1]);
+    assert_eq!(
+        s.recovery(&first.id, T0 + 20_000).await.unwrap(),
+        None,
+        "dropped"
+    );
+
+    // Gone with their lifetime, from reads and then from storage.
+    let end = T0 + 10_000 + recoveries::RECOVERY_LIFETIME_MS;
+    assert_eq!(
+        s.recoveries(end - 1).await.unwrap().len(),
+        recoveries::MAX_RECOVERIES
+    );
+    assert_eq!(s.recoveries(end + 1000).await.unwrap(), []);
+    assert_eq!(s.recovery(&many[0].id, end + 1000).await.unwrap(), None);
+    h.sweep_all(end + 1000).await;
+    let fresh = recovery_at(end + 2000);
+    s.save_recovery(&fresh, end + 2000).await.unwrap();
+    assert_eq!(s.recoveries(end + 2000).await.unwrap(), [fresh]);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -3875,6 +4073,16 @@ mod sqlite_only {
         for old in ["rec", "rb", "resume", "again", "lease", "tries"] {
             assert!(!columns.iter().any(|c| c == old), "{old} in {columns:?}");
         }
+        // Through every later layout to the newest: the recovery tables (layout 5) too.
+        assert_eq!(user_version(&path), 5);
+        assert_eq!(
+            columns_of(&path, "inbound_counts"),
+            ["source", "minute", "new", "replays"]
+        );
+        assert_eq!(
+            columns_of(&path, "recoveries"),
+            ["id", "started_at", "recovery_json"]
+        );
 
         the_release_fixture_goes_on(&s, "v2").await;
     }
@@ -3900,6 +4108,21 @@ mod sqlite_only {
         for fixture in ["tests/fixtures/sqlite_v1.db", "tests/fixtures/sqlite_v2.db"] {
             assert_eq!(layout(Some(fixture)), new, "{fixture}");
         }
+        // Layout 4 (a new database with layout 5's tables undone), upgraded by TO_V5.
+        let dir = tempfile::tempdir().unwrap();
+        let v4 = dir.path().join("v4.db");
+        drop(SqliteStore::open(&v4, RETENTION_SECS).unwrap());
+        rusqlite::Connection::open(&v4)
+            .unwrap()
+            .execute_batch(
+                "DROP TABLE inbound_counts; DROP TABLE recoveries; PRAGMA user_version = 4;",
+            )
+            .unwrap();
+        assert_eq!(layout(Some(v4.to_str().unwrap())), new, "layout 4");
+        assert!(
+            new.iter().any(|line| line.contains("inbound_counts")),
+            "{new:#?}"
+        );
     }
 
     fn user_version(path: &std::path::Path) -> i64 {

@@ -186,6 +186,17 @@ pub struct SourceSettings {
     /// Where its callbacks are handed on; none keeps them for the API only.
     pub forward_url: Option<String>,
     pub forward: ForwardSettings,
+    /// The provider's own API (`provider_api_url`, `provider_api_token`), which a recovery
+    /// asks to resend callbacks; `None` when not configured.
+    pub provider_api: Option<ProviderApi>,
+}
+
+/// Where a recovery reaches a source's provider, and with which token (its `Debug` hides it).
+#[derive(Debug, Clone)]
+pub struct ProviderApi {
+    /// Base URL, without a trailing `/`.
+    pub url: String,
+    pub token: crate::redact::Secret,
 }
 
 /// How a message goes out. Read at delivery time, not stored with the message, so a rotated
@@ -355,6 +366,13 @@ impl SourceSettings {
                 ssrf: SsrfGuard {
                     allow_private: config.allow_private_forward_url,
                 },
+            },
+            provider_api: match (&config.provider_api_url, &config.provider_api_token) {
+                (Some(url), Some(token)) => Some(ProviderApi {
+                    url: url.trim_end_matches('/').to_string(),
+                    token: token.clone(),
+                }),
+                _ => None,
             },
         })
     }

@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::validate::Exposure;
 use super::{ConfigError, invalid};
+use crate::redact::{Secret, url_credentials};
 use crate::webhook::decode_whsec;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -42,6 +43,14 @@ pub struct SourceConfig {
     pub forward_secret: Option<String>,
     #[serde(default)]
     pub dedupe_fields: Option<Vec<String>>,
+    /// Base URL of the provider's own API (PayZu: `https://api.payzu.example`), for a
+    /// recovery (`callbackd recover`), which asks it to resend callbacks. With
+    /// `provider_api_token`, or neither.
+    #[serde(default)]
+    pub provider_api_url: Option<String>,
+    /// Bearer token of the provider's API; never echoed or logged ([`Secret`]).
+    #[serde(default)]
+    pub provider_api_token: Option<Secret>,
 }
 
 fn default_tolerance() -> u64 {
@@ -129,6 +138,7 @@ impl SourceConfig {
             let decoded = decode_whsec(secret).map_err(|m| invalid(key("forward_secret"), m))?;
             exposure.check(&key("forward_secret"), secret, decoded.len())?;
         }
+        self.validate_provider_api(name, exposure)?;
         if let Some(fields) = &self.dedupe_fields {
             for (i, field) in fields.iter().enumerate() {
                 if !field.starts_with('/') {
@@ -140,5 +150,69 @@ impl SourceConfig {
             }
         }
         Ok(())
+    }
+
+    /// `provider_api_url` and `provider_api_token`: both or neither; the URL an http(s) base
+    /// with a host and no credentials of its own (the token is where a credential goes); the
+    /// token as strong as the other secrets. Neither value is echoed (a URL's user and
+    /// password are hidden).
+    fn validate_provider_api(&self, name: &str, exposure: Exposure) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("sources.{name}.{k}");
+        let (url, token) = match (&self.provider_api_url, &self.provider_api_token) {
+            (None, None) => return Ok(()),
+            (Some(_), None) => {
+                return Err(invalid(
+                    key("provider_api_token"),
+                    format!("is required with {}", key("provider_api_url")),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    key("provider_api_url"),
+                    format!("is required with {}", key("provider_api_token")),
+                ));
+            }
+            (Some(url), Some(token)) => (url, token),
+        };
+        let url_key = key("provider_api_url");
+        let shown = url_credentials(url);
+        let parsed = reqwest::Url::parse(url)
+            .map_err(|e| invalid(&url_key, format!("`{shown}` is not a URL: {e}")))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(invalid(&url_key, "must be http:// or https://"));
+        }
+        if parsed.host_str().is_none_or(str::is_empty) {
+            return Err(invalid(&url_key, "has no host"));
+        }
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            return Err(invalid(
+                &url_key,
+                format!(
+                    "must not hold credentials (`{shown}`): put the token in {}",
+                    key("provider_api_token")
+                ),
+            ));
+        }
+        if parsed.query().is_some() || parsed.fragment().is_some() {
+            return Err(invalid(
+                &url_key,
+                "is a base URL: no query or fragment (the resend path is appended to it)",
+            ));
+        }
+        let token_key = key("provider_api_token");
+        let token = token.expose();
+        if token.is_empty() {
+            return Err(invalid(token_key, "is empty"));
+        }
+        if token.len() < 8 {
+            return Err(invalid(token_key, "tokens must be at least 8 characters"));
+        }
+        if token.chars().any(|c| c.is_control() || c == ' ') {
+            return Err(invalid(
+                token_key,
+                "must be visible characters without spaces (it is sent in a header)",
+            ));
+        }
+        exposure.check(&token_key, token, token.len())
     }
 }

@@ -506,3 +506,89 @@ fn breaker_and_host_limits_are_checked_by_their_key() {
         assert!(message.contains(says), "{text}: {message}");
     }
 }
+
+/// `provider_api_url` and `provider_api_token` (a recovery's provider API): both or neither,
+/// the URL checked naming its key, the token as strong as the other secrets and never echoed.
+#[test]
+fn the_provider_api_is_both_or_neither_and_its_token_never_echoed() {
+    let source = |extra: &str| {
+        format!("[sources.p]\nsignature = \"payzu\"\nsecrets = [\"long-enough-secret\"]\n{extra}")
+    };
+    let token = "tok-0123456789abcdef0123456789";
+    let url = "https://api.payzu.example";
+    let ok = load(
+        &source(&format!(
+            "provider_api_url = \"{url}/\"\nprovider_api_token = \"{token}\"\n"
+        )),
+        &[],
+    )
+    .unwrap();
+    let p = &ok.sources["p"];
+    assert_eq!(p.provider_api_token.as_ref().unwrap().expose(), token);
+    assert!(!format!("{ok:?}").contains(token), "Debug hides the token");
+    assert!(
+        load(&source(""), &[]).unwrap().sources["p"]
+            .provider_api_url
+            .is_none()
+    );
+    let cases = [
+        (
+            format!("provider_api_url = \"{url}\"\n"),
+            "sources.p.provider_api_token",
+            "is required with sources.p.provider_api_url",
+        ),
+        (
+            format!("provider_api_token = \"{token}\"\n"),
+            "sources.p.provider_api_url",
+            "is required with sources.p.provider_api_token",
+        ),
+        (
+            format!("provider_api_url = \"ftp://x\"\nprovider_api_token = \"{token}\"\n"),
+            "sources.p.provider_api_url",
+            "http:// or https://",
+        ),
+        (
+            format!("provider_api_url = \"not a url\"\nprovider_api_token = \"{token}\"\n"),
+            "sources.p.provider_api_url",
+            "not a URL",
+        ),
+        (
+            format!(
+                "provider_api_url = \"https://u:hunter2@api.example\"\nprovider_api_token = \"{token}\"\n"
+            ),
+            "sources.p.provider_api_url",
+            "must not hold credentials",
+        ),
+        (
+            format!("provider_api_url = \"{url}\"\nprovider_api_token = \"\"\n"),
+            "sources.p.provider_api_token",
+            "is empty",
+        ),
+        (
+            format!("provider_api_url = \"{url}\"\nprovider_api_token = \"short\"\n"),
+            "sources.p.provider_api_token",
+            "at least 8",
+        ),
+    ];
+    for (extra, key, why) in cases {
+        let err = load(&source(&extra), &[]).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("`{key}`")) && err.contains(why),
+            "{extra}: {err}"
+        );
+        assert!(!err.contains(token) && !err.contains("hunter2"), "{err}");
+    }
+    // Off loopback, a placeholder or short token is refused as every secret is.
+    let public = [("CALLBACKD__SERVER__LISTEN", "0.0.0.0:8080")];
+    let strong = "[auth]\nadmin_tokens = [\"0123456789abcdef0123\"]\n\
+                  connector_tokens = [\"abcdef0123456789abcd\"]\n";
+    for weak in ["change-me-provider-token", "tok-1234567"] {
+        let text = format!(
+            "{strong}[sources.p]\nsignature = \"payzu\"\nsecrets = [\"0123456789abcdef0123456789\"]\n\
+             provider_api_url = \"{url}\"\nprovider_api_token = \"{weak}\"\n"
+        );
+        let err = load(&text, &public).unwrap_err().to_string();
+        assert!(err.contains("`sources.p.provider_api_token`"), "{err}");
+        assert!(!err.contains(weak), "{err}");
+    }
+}

@@ -13,6 +13,7 @@ use utoipa::ToSchema;
 
 use crate::handoff::HandOffError;
 use crate::inbound::accept::CallbackError;
+use crate::operations::recover::RecoverError;
 use crate::operations::resend::ResendError;
 use crate::store::StoreError;
 
@@ -63,6 +64,8 @@ error_catalogue! {
         "A field of a hand-off or resend body, or the `Idempotency-Key` header, is missing or wrong; the message names it.";
     InvalidQuery => StatusCode::BAD_REQUEST, "invalid_query",
         "A list filter or resend selection is malformed (a bad time, state, id or limit); the message names it.";
+    InvalidRecovery => StatusCode::BAD_REQUEST, "invalid_recovery",
+        "A recovery is refused: an unknown source or one without `provider_api_url`, a bad time, `from` not before `to`, `from` more than 30 days back, `to` in the future, or `countSecs` out of range; the message names the field and the limit, and nothing was sent or recorded.";
     NoSelector => StatusCode::BAD_REQUEST, "no_selector",
         "A resend names no `messageIds`, `paymentId`, `transactionId` or time window.";
     UnreadableBody => StatusCode::BAD_REQUEST, "unreadable_body",
@@ -199,6 +202,17 @@ impl From<ResendError> for ApiError {
             ResendError::Answer(e) => {
                 ApiError::bad_request(ErrorCode::InvalidRequest, e.to_string())
             }
+        }
+    }
+}
+
+impl From<RecoverError> for ApiError {
+    fn from(e: RecoverError) -> Self {
+        match e {
+            RecoverError::Refused { .. } => {
+                ApiError::bad_request(ErrorCode::InvalidRecovery, e.to_string())
+            }
+            RecoverError::Store(e) => ApiError::Unavailable(e),
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod notifications;
 pub mod openapi;
 pub mod query;
 pub mod record;
+pub mod recoveries;
 pub mod server;
 pub mod views;
 
@@ -75,6 +76,9 @@ pub fn routes() -> Vec<Route> {
         route(Method::GET, "/v1/messages/{id}", admin::get_message),
         route(Method::POST, "/v1/admin/resend", admin::resend),
         route(Method::GET, "/v1/admin/hosts", admin::held_hosts),
+        route(Method::POST, "/v1/admin/recoveries", recoveries::start),
+        route(Method::GET, "/v1/admin/recoveries", recoveries::list),
+        route(Method::GET, "/v1/admin/recoveries/{id}", recoveries::get),
         route(Method::GET, "/healthz", health::healthz),
         route(Method::GET, "/readyz", health::readyz),
         route(Method::GET, "/metrics", health::metrics),

@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{admin, callbacks, health, notifications};
+use super::{admin, callbacks, health, notifications, recoveries};
 use crate::http::error::ErrorCode;
 use crate::inbound::dedupe::{MAX_ID_LEN, MAX_SAFE_ID};
 use crate::store::ids::PATTERN as MESSAGE_ID;
@@ -22,6 +22,9 @@ use crate::store::ids::PATTERN as MESSAGE_ID;
         admin::list_messages,
         admin::resend,
         admin::held_hosts,
+        recoveries::start,
+        recoveries::list,
+        recoveries::get,
         health::healthz,
         health::readyz,
         health::metrics,
@@ -38,6 +41,8 @@ use crate::store::ids::PATTERN as MESSAGE_ID;
         crate::store::ResendEffect,
         crate::payment::PaymentStatus,
         crate::operations::resend::dry_run::DryRunAnswer,
+        crate::operations::recover::RecoveryWindowView,
+        crate::store::WindowState,
     )),
     modifiers(&BearerAuth),
 )]

@@ -6,7 +6,10 @@
 //! - `messages.rs`: a listing's filters (`MessageQuery`) and the store filter they become;
 //! - `resend/`: the resend use case: its `requestId` (fingerprint, reservation, the recorded
 //!   answer), the walk detached from the request, the batch walkers with each message's
-//!   idempotency, and the dry run's count.
+//!   idempotency, and the dry run's count;
+//! - `recover/`: the provider-side recovery: its checks and windows, the requests to the
+//!   provider's resend API, and its report of new and replayed callbacks.
 
 pub mod messages;
+pub mod recover;
 pub mod resend;

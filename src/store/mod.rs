@@ -14,7 +14,8 @@
 //! The vocabulary the trait speaks has a file per concern: `message.rs` (messages, states,
 //! reads), `accept.rs` (what an accept carries and answers), `history.rs` (history rows and
 //! their bounds), `delivery.rs` (leases, completions, resends), `counts.rs` (attempts per
-//! minute), `operations.rs` (resend operation records), `error.rs`.
+//! minute), `operations.rs` (resend operation records), `recoveries.rs` (provider-side
+//! recoveries and the inbound accepts per source and minute they report), `error.rs`.
 
 mod accept;
 pub mod counts;
@@ -27,6 +28,7 @@ mod message;
 mod operations;
 pub mod partitions;
 pub mod postgres;
+pub mod recoveries;
 pub mod redis;
 pub mod retention;
 pub mod sqlite;
@@ -54,6 +56,7 @@ pub use operations::{
     OperationReservation, decode_operation, encode_finished_operation, encode_running_operation,
 };
 pub use partitions::Partitions;
+pub use recoveries::{Arrival, InboundCount, Recovery, RecoveryWindow, WindowState};
 pub use retention::DEFAULT_PAYMENT_RETENTION_SECS;
 
 use crate::clock::Millis;
@@ -65,6 +68,8 @@ pub const SWEEP_LIMIT: usize = 1000;
 pub trait Store: Send + Sync + 'static {
     /// Claims the dedupe key and records the message (and the payment transition) in one
     /// atomic step. Either all of it is durable when this returns `Accepted`, or none of it.
+    /// An inbound callback that is recorded or replayed is counted in its source's minute at
+    /// `now` ([`Arrival`], `recoveries.rs`) in the same step.
     async fn accept(&self, req: AcceptRequest, now: Millis) -> Result<AcceptOutcome, StoreError>;
 
     /// Leases up to `limit` due messages until `now + lease_ms`; messages whose lease expired
@@ -136,6 +141,28 @@ pub trait Store: Send + Sync + 'static {
         since: Millis,
         now: Millis,
     ) -> Result<Vec<MinuteCount>, StoreError>;
+
+    /// What every process's `accept` counted of `source`'s callbacks ([`Arrival`]), summed
+    /// over the minutes from `since`'s to `until`'s (or `now`'s, when earlier); minutes past
+    /// [`recoveries::INBOUND_COUNT_LIFETIME_MS`] are gone ([`recoveries::count_window`]).
+    async fn inbound_counts(
+        &self,
+        source: &str,
+        since: Millis,
+        until: Millis,
+        now: Millis,
+    ) -> Result<InboundCount, StoreError>;
+
+    /// Records a recovery, or replaces the one with its id; then drops what
+    /// [`recoveries::to_drop`] names, so at most [`recoveries::MAX_RECOVERIES`] are kept, none
+    /// past its lifetime.
+    async fn save_recovery(&self, recovery: &Recovery, now: Millis) -> Result<(), StoreError>;
+
+    /// The recoveries kept at `now`, newest first.
+    async fn recoveries(&self, now: Millis) -> Result<Vec<Recovery>, StoreError>;
+
+    /// One recovery, if kept at `now`.
+    async fn recovery(&self, id: &str, now: Millis) -> Result<Option<Recovery>, StoreError>;
 
     /// The id of the oldest message not finished yet (`pending` or `in_flight`), whose
     /// creation time is in the id: how far behind delivery is.

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod fault_proxy;
+pub mod payzu;
 pub mod process;
 pub mod redis;
 pub mod sink;

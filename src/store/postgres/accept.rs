@@ -11,7 +11,7 @@ use deadpool_postgres::{Client, Transaction};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 
-use super::accept_set::{Queued, accept_as_sets};
+use super::accept_set::{Arrivals, Queued, accept_as_sets, count_arrival, write_arrivals};
 use super::batch::Committed;
 use super::commands::move_in_queue;
 use super::days::{Days, end_day};
@@ -86,11 +86,13 @@ async fn accept_one_by_one(
     let mut tx = client.transaction().await.db()?;
     lock_all(&tx, &batch_locks(batch)).await?;
     let mut outcomes = Vec::with_capacity(batch.len());
+    let mut arrivals = Arrivals::new();
     for queued in batch {
         let savepoint = tx.savepoint("accept").await.db()?;
         match accept_locked(&savepoint, days, &queued.req, queued.now, queued.lifetimes).await {
             Ok(outcome) => {
                 savepoint.commit().await.db()?;
+                count_arrival(&mut arrivals, &queued.req, &outcome, queued.now);
                 outcomes.push(Ok(outcome));
             }
             Err(e) => {
@@ -101,6 +103,8 @@ async fn accept_one_by_one(
             }
         }
     }
+    // The accepts that stood, counted with them in one statement.
+    write_arrivals(&tx, &arrivals).await?;
     commit(tx, batch, outcomes).await
 }
 

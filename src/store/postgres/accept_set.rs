@@ -10,7 +10,7 @@
 //! statement: the caller rolls it back and runs the batch one accept at a time instead
 //! (`accept.rs`), where that accept fails alone.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use deadpool_postgres::Transaction;
 
@@ -19,10 +19,13 @@ use super::error::{Db, column, corrupt};
 use super::listen::CHANNEL;
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
+use crate::store::counts::minute_of;
 use crate::store::lifecycle::{
     self, AcceptDecision, AcceptPlan, AcceptRead, Lifetimes, LiveClaim, QueueMove,
 };
-use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
+use crate::store::{
+    AcceptOutcome, AcceptRequest, Arrival, InboundCount, StoreError, fingerprint_from_stored,
+};
 
 /// One accept of a batch: the request, the caller's time, the store's lifetimes.
 pub(super) struct Queued {
@@ -51,6 +54,87 @@ struct Writes {
     payments: HashMap<String, (String, Millis)>,
     messages: Vec<MessageRow>,
     wakes: bool,
+    /// Inbound accepts per source, minute and slot (store/recoveries.rs): summed over the
+    /// batch and upserted with the rest, sorted, so a batch adds to each row once.
+    arrivals: Arrivals,
+}
+
+/// Inbound accepts by (source, minute, slot), in the order their rows are locked.
+pub(super) type Arrivals = BTreeMap<(String, Millis, i16), InboundCount>;
+
+/// Adds what an accept of `req` at `now` that answered `outcome` counts, if anything.
+pub(super) fn count_arrival(
+    arrivals: &mut Arrivals,
+    req: &AcceptRequest,
+    outcome: &AcceptOutcome,
+    now: Millis,
+) {
+    if let Some((source, arrival)) = Arrival::of(req, outcome) {
+        let slot = i16::from(req.message.id.partition());
+        let sum = arrivals
+            .entry((source.to_string(), minute_of(now), slot))
+            .or_default();
+        *sum = sum.plus(arrival.count());
+    }
+}
+
+/// Upserts `arrivals` in one statement, in their order (the one-by-one path's count; the set
+/// path writes them within its own statement).
+pub(super) async fn write_arrivals(
+    tx: &Transaction<'_>,
+    arrivals: &Arrivals,
+) -> Result<(), StoreError> {
+    if arrivals.is_empty() {
+        return Ok(());
+    }
+    let columns = ArrivalColumns::of(arrivals);
+    let statement = tx
+        .prepare_cached(&format!("{UPSERT_ARRIVALS} $1::text[], $2::int8[], $3::int2[], $4::int8[], $5::int8[]{UPSERT_ARRIVALS_END}"))
+        .await
+        .db()?;
+    tx.execute(
+        &statement,
+        &[
+            &columns.sources,
+            &columns.minutes,
+            &columns.slots,
+            &columns.new,
+            &columns.replays,
+        ],
+    )
+    .await
+    .db()?;
+    Ok(())
+}
+
+/// The upsert of inbound counts, around the five arrays it reads.
+const UPSERT_ARRIVALS: &str = "INSERT INTO inbound_counts (source, minute, slot, new, replays) \
+     SELECT * FROM unnest(";
+const UPSERT_ARRIVALS_END: &str = ") AS c (source, minute, slot, new, replays) \
+     ORDER BY source, minute, slot \
+     ON CONFLICT (source, minute, slot) DO UPDATE SET \
+     new = inbound_counts.new + excluded.new, replays = inbound_counts.replays + excluded.replays";
+
+/// [`Arrivals`] as the statement's arrays.
+struct ArrivalColumns {
+    sources: Vec<String>,
+    minutes: Vec<Millis>,
+    slots: Vec<i16>,
+    new: Vec<i64>,
+    replays: Vec<i64>,
+}
+
+impl ArrivalColumns {
+    fn of(arrivals: &Arrivals) -> ArrivalColumns {
+        let n = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        ArrivalColumns {
+            sources: arrivals.keys().map(|k| k.0.clone()).collect(),
+            minutes: arrivals.keys().map(|k| k.1).collect(),
+            slots: arrivals.keys().map(|k| k.2).collect(),
+            new: arrivals.values().map(|c| n(c.new)).collect(),
+            replays: arrivals.values().map(|c| n(c.replays)).collect(),
+        }
+    }
 }
 
 struct MessageRow {
@@ -78,7 +162,11 @@ pub(super) async fn accept_as_sets(
     let mut writes = Writes::default();
     let mut outcomes = Vec::with_capacity(batch.len());
     for queued in batch {
-        outcomes.push(decide(&mut overlay, &mut writes, days, queued));
+        let outcome = decide(&mut overlay, &mut writes, days, queued);
+        if let Ok(outcome) = &outcome {
+            count_arrival(&mut writes.arrivals, &queued.req, outcome, queued.now);
+        }
+        outcomes.push(outcome);
     }
     write(tx, writes).await?;
     Ok(outcomes)
@@ -278,9 +366,10 @@ fn seal_to(
 /// Everything the batch decided, in one statement: each table's rows as arrays. The queue's
 /// rows go in acceptance order, which their positions keep.
 async fn write(tx: &Transaction<'_>, writes: Writes) -> Result<(), StoreError> {
-    if writes.claims.is_empty() && writes.seals.is_empty() {
+    if writes.claims.is_empty() && writes.seals.is_empty() && writes.arrivals.is_empty() {
         return Ok(());
     }
+    let arrivals = ArrivalColumns::of(&writes.arrivals);
     let (payment_ids, (statuses, payment_ends)): (Vec<String>, (Vec<String>, Vec<Millis>)) =
         writes.payments.into_iter().unzip();
     let (claim_keys, claim_rows): (Vec<String>, Vec<(String, String, Millis)>) =
@@ -322,7 +411,9 @@ async fn write(tx: &Transaction<'_>, writes: Writes) -> Result<(), StoreError> {
                SELECT id, end_day, message_json, source, ordering_key, state, deadline, \
                ends_at, due_at FROM new_messages), \
              queue_rows AS (INSERT INTO queue (ordering_key, id) \
-               SELECT ordering_key, id FROM new_messages WHERE queued ORDER BY n) \
+               SELECT ordering_key, id FROM new_messages WHERE queued ORDER BY n), \
+             count_rows AS ({UPSERT_ARRIVALS} $22::text[], $23::int8[], $24::int2[], \
+               $25::int8[], $26::int8[]{UPSERT_ARRIVALS_END}) \
              SELECT pg_notify('{CHANNEL}', '') WHERE $21::bool"
         ))
         .await
@@ -351,6 +442,11 @@ async fn write(tx: &Transaction<'_>, writes: Writes) -> Result<(), StoreError> {
             &dues,
             &queued,
             &writes.wakes,
+            &arrivals.sources,
+            &arrivals.minutes,
+            &arrivals.slots,
+            &arrivals.new,
+            &arrivals.replays,
         ],
     )
     .await

@@ -30,12 +30,13 @@ use crate::store::StoreError;
 use crate::store::partitions::{self, Found, Partitions};
 
 /// The layout this binary reads and writes: the last of [`MIGRATIONS`].
-pub const LAYOUT_VERSION: i32 = 2;
+pub const LAYOUT_VERSION: i32 = 3;
 
 /// Each layout version and the SQL that builds it from the one before.
-const MIGRATIONS: [(i32, &str); 2] = [
+const MIGRATIONS: [(i32, &str); 3] = [
     (1, include_str!("migrations/0001_layout.sql")),
     (2, include_str!("migrations/0002_delivery_counts.sql")),
+    (3, include_str!("migrations/0003_recoveries.sql")),
 ];
 
 /// The advisory lock every start takes before reading or changing the layout: a constant of

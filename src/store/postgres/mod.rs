@@ -39,6 +39,7 @@
 //! | `days.rs`, `sweep.rs` | the day partitions of finished messages; the sweep (bounded deletes, the horizon, whole days dropped) |
 //! | `reads.rs` | get, list, depth, payment status, oldest unfinished, ping |
 //! | `operations.rs` | resend request ids |
+//! | `recoveries.rs` | recoveries, and the inbound counts per source and minute they report (written by the accepts) |
 
 mod accept;
 mod accept_set;
@@ -53,6 +54,7 @@ mod locks;
 mod migrate;
 mod operations;
 mod reads;
+mod recoveries;
 mod sweep;
 pub mod url;
 
@@ -77,9 +79,9 @@ use self::days::{Days, end_day};
 use self::listen::Listener;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
-    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, MinuteCount, OperationReservation,
-    Page, Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
-    WorkSignal,
+    HistoryEntry, InboundCount, Lease, ListFilter, MessageId, MessageRecord, MinuteCount,
+    OperationReservation, Page, Partitions, PaymentStatusRead, QueueDepth, Recovery, ResendEffect,
+    ResendMark, Store, StoreError, WorkSignal,
 };
 use crate::clock::Millis;
 use crate::durability::Verdict;
@@ -456,6 +458,44 @@ impl Store for PostgresStore {
             .call(move |client| {
                 async move { reads::minute_counts(client, since, now).await }.boxed()
             })
+            .await
+    }
+
+    async fn inbound_counts(
+        &self,
+        source: &str,
+        since: Millis,
+        until: Millis,
+        now: Millis,
+    ) -> Result<InboundCount, StoreError> {
+        let source = source.to_string();
+        self.db
+            .call(move |client| {
+                async move { recoveries::inbound_counts(client, &source, since, until, now).await }
+                    .boxed()
+            })
+            .await
+    }
+
+    async fn save_recovery(&self, recovery: &Recovery, now: Millis) -> Result<(), StoreError> {
+        let recovery = recovery.clone();
+        self.db
+            .call(move |client| {
+                async move { recoveries::save(client, &recovery, now).await }.boxed()
+            })
+            .await
+    }
+
+    async fn recoveries(&self, now: Millis) -> Result<Vec<Recovery>, StoreError> {
+        self.db
+            .call(move |client| async move { recoveries::list(client, now).await }.boxed())
+            .await
+    }
+
+    async fn recovery(&self, id: &str, now: Millis) -> Result<Option<Recovery>, StoreError> {
+        let id = id.to_string();
+        self.db
+            .call(move |client| async move { recoveries::get(client, &id, now).await }.boxed())
             .await
     }
 

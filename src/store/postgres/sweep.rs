@@ -4,8 +4,9 @@
 //!   deleted in bounded batches ([`SWEEP_LIMIT`] per table and call) that skip rows another
 //!   transaction holds, so a sweep never waits for a writer. Vacuum reuses their space: those
 //!   tables stay the size of what is alive.
-//! * A minute's delivery counts (store/counts.rs) go once their lifetime is over, in the same
-//!   bounded, skip-locked batches.
+//! * A minute's delivery counts (store/counts.rs) and inbound counts, and recoveries
+//!   (store/recoveries.rs), go once their lifetime is over, in the same bounded, skip-locked
+//!   batches.
 //! * Finished messages go by the sweep horizon, raised to `now`: every read and resend treats
 //!   a message whose end is at or below it as gone, at once, without touching its row. Their
 //!   day partitions, once the horizon passed each one's last millisecond, are dropped whole
@@ -19,6 +20,7 @@ use super::days::Days;
 use super::error::{Db, column};
 use crate::clock::Millis;
 use crate::store::counts::COUNT_LIFETIME_MS;
+use crate::store::recoveries;
 use crate::store::{SWEEP_LIMIT, StoreError};
 
 /// Each expiring table and its key column.
@@ -68,6 +70,23 @@ pub(super) async fn sweep(
         .await
         .db()?;
     deleted += usize::try_from(gone).unwrap_or(usize::MAX);
+    // Inbound counts and recoveries past their lifetimes (store/recoveries.rs), alike.
+    for (sql, end) in [
+        (
+            "DELETE FROM inbound_counts WHERE (source, minute, slot) IN (SELECT source, minute, \
+             slot FROM inbound_counts WHERE minute <= $2 LIMIT $1 FOR UPDATE SKIP LOCKED)",
+            now - recoveries::INBOUND_COUNT_LIFETIME_MS,
+        ),
+        (
+            "DELETE FROM recoveries WHERE id IN (SELECT id FROM recoveries \
+             WHERE started_at <= $2 LIMIT $1 FOR UPDATE SKIP LOCKED)",
+            now - recoveries::RECOVERY_LIFETIME_MS,
+        ),
+    ] {
+        let statement = client.prepare_cached(sql).await.db()?;
+        let gone = client.execute(&statement, &[&limit, &end]).await.db()?;
+        deleted += usize::try_from(gone).unwrap_or(usize::MAX);
+    }
     let row = client
         .query_one(
             "UPDATE sweep_horizon SET swept_to = greatest(swept_to, $1) RETURNING swept_to",

@@ -7,8 +7,8 @@ use redis::{Cmd, Pipeline};
 
 use super::apply::{self, Applied};
 use super::connection::Sent;
-use super::keys;
 use super::{RedisStore, corrupt, one_call, script_call, to_json};
+use super::{counts, keys};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
 use crate::store::counts::Tally;
@@ -16,8 +16,8 @@ use crate::store::ids::claim_tail;
 use crate::store::lifecycle::{self, Effect, QueueMove, Snapshot};
 use crate::store::{
     AcceptOutcome, AcceptRequest, Completion, DeliveryAttempt, HistoryEntry, Lease, MessageId,
-    OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT, StoreError, decode_operation,
-    encode_finished_operation, encode_running_operation,
+    MessageKind, OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT, StoreError,
+    decode_operation, encode_finished_operation, encode_running_operation,
 };
 
 /// Applies store::lifecycle::accept in one call of accept.lua, fed the plan the rule makes
@@ -54,6 +54,20 @@ pub(super) async fn accept(
         QueueMove::Join { due_if_head } => due_if_head.to_string(),
         QueueMove::Stay | QueueMove::Leave { .. } => String::new(),
     };
+    // An inbound callback is counted in its source's minute (recoveries.rs); other accepts
+    // name a key of the same hour that is never written, so the KEYS keep their positions.
+    let counted = match (msg.kind, msg.source.as_deref()) {
+        (MessageKind::Inbound, Some(source)) => Some(source),
+        _ => None,
+    };
+    let counts_key = keys.inbound_counts(counts::hour_of(now), counted.unwrap_or(""));
+    let (count_field, count_lifetime) = match counted {
+        Some(_) => (
+            super::recoveries::field(now),
+            super::recoveries::lifetime_ms(now).to_string(),
+        ),
+        None => (String::new(), String::new()),
+    };
     let script = &store.scripts.accept;
     let mut call = script_call(
         script,
@@ -67,6 +81,7 @@ pub(super) async fn accept(
             payment_key,
             keys.buckets(),
             seal_key,
+            counts_key,
         ],
     );
     call.arg(plan.claim_ends)
@@ -91,7 +106,9 @@ pub(super) async fn accept(
         .arg(compact_claim(req, now).unwrap_or_default())
         .arg(&due_if_head)
         // a payment the store does not know: never seen, or its state ended
-        .arg(PaymentStatus::Undefined.as_str());
+        .arg(PaymentStatus::Undefined.as_str())
+        .arg(count_field)
+        .arg(count_lifetime);
     let reply: Vec<String> = store.eval(script, &call).await?;
     match reply.as_slice() {
         [ok] if ok == "ok" => {

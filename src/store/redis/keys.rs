@@ -21,6 +21,8 @@
 //! | `x:<b>` | list | expiry bucket `b` of strings: `d:`, `s:`, `pay:` members whose end falls in hour `b` |
 //! | `xm:<b>` | list | expiry bucket `b` of messages: `m:<id>` members of finished or recorded messages |
 //! | `xb` | zset | the expiry buckets (`x:<b>`, `xm:<b>`) scored by their first ms |
+//! | `n:<hour>` | hash | attempts per minute of the hour (counts.rs), with a TTL |
+//! | `in:<hour>:<source>` | hash | inbound callbacks of the source per minute of the hour, new and replayed (recoveries.rs), with a TTL |
 //!
 //! `<h16>` is the first 16 characters (96 bits) of the short hash of the claim key, so the
 //! whole name fits a 32-byte allocation. A stored response is `=` and the response, or `#` and
@@ -65,8 +67,9 @@
 //!
 //! Outside the partitions: `cb:schema` (the layout version), `cb:partitions` (the partition
 //! count, fixed at first use; a store without it has 16), `cb:upgrading` (the upgrade lock)
-//! and `cb:op:<hash>` (resend operations, which belong to no message), all under the
-//! configured prefix too.
+//! `cb:op:<hash>` (resend operations, which belong to no message) and `cb:recoveries` (a hash
+//! of the provider-side recoveries by id, recoveries.rs), all under the configured prefix
+//! too.
 //!
 //! The scripts build some names themselves from the partition prefix (`m:`, `a:`, `ix:` and
 //! `ix:k:` in claim.lua and sweep.lua, the expiry buckets in expiry.lua), and `upgrade.rs`
@@ -136,6 +139,11 @@ impl KeySpace {
     /// SCAN pattern of every partition key of every layout.
     pub(super) fn partition_pattern(&self) -> String {
         format!("{}:{{p*}}:*", self.prefix)
+    }
+    /// The provider-side recoveries, by id: one small hash (at most
+    /// [`MAX_RECOVERIES`](crate::store::recoveries::MAX_RECOVERIES) fields).
+    pub(super) fn recoveries(&self) -> String {
+        format!("{}:recoveries", self.prefix)
     }
     /// The record of a resend operation.
     pub(super) fn operation(&self, key: &str) -> String {
@@ -211,6 +219,10 @@ impl Keys {
     /// The index of expiry buckets.
     pub(super) fn buckets(&self) -> String {
         self.key("xb")
+    }
+    /// This partition's inbound callbacks of `source` per minute in `hour` (recoveries.rs).
+    pub(super) fn inbound_counts(&self, hour: i64, source: &str) -> String {
+        self.key(&format!("in:{hour}:{source}"))
     }
     /// This partition's attempts per minute in `hour` (counts.rs).
     pub(super) fn counts(&self, hour: i64) -> String {

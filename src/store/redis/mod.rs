@@ -48,6 +48,7 @@ mod keys;
 mod partitions;
 pub mod prefix;
 mod reads;
+mod recoveries;
 mod replaceable;
 mod scripts;
 mod upgrade;
@@ -64,9 +65,9 @@ use serde::Serialize;
 
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
-    Lease, ListFilter, MessageId, MessageRecord, MinuteCount, NewMessage, OperationReservation,
-    Page, Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
-    WorkSignal,
+    InboundCount, Lease, ListFilter, MessageId, MessageRecord, MinuteCount, NewMessage,
+    OperationReservation, Page, Partitions, PaymentStatusRead, QueueDepth, Recovery, ResendEffect,
+    ResendMark, Store, StoreError, WorkSignal,
 };
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
@@ -636,6 +637,28 @@ impl Store for RedisStore {
         now: Millis,
     ) -> Result<Vec<MinuteCount>, StoreError> {
         counts::minute_counts(self, since, now).await
+    }
+
+    async fn inbound_counts(
+        &self,
+        source: &str,
+        since: Millis,
+        until: Millis,
+        now: Millis,
+    ) -> Result<InboundCount, StoreError> {
+        recoveries::inbound_counts(self, source, since, until, now).await
+    }
+
+    async fn save_recovery(&self, recovery: &Recovery, now: Millis) -> Result<(), StoreError> {
+        recoveries::save(self, recovery, now).await
+    }
+
+    async fn recoveries(&self, now: Millis) -> Result<Vec<Recovery>, StoreError> {
+        recoveries::list(self, now).await
+    }
+
+    async fn recovery(&self, id: &str, now: Millis) -> Result<Option<Recovery>, StoreError> {
+        recoveries::get(self, id, now).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

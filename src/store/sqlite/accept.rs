@@ -9,11 +9,40 @@ use super::commands::join_queue;
 use super::error::{Db, corrupt};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
+use crate::store::counts;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
-use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
+use crate::store::{AcceptOutcome, AcceptRequest, Arrival, StoreError, fingerprint_from_stored};
 
-/// Applies store::lifecycle::accept to what this transaction reads.
+/// Applies store::lifecycle::accept to what this transaction reads, and counts an inbound
+/// callback recorded or replayed in its source's minute (store/recoveries.rs) in the same
+/// savepoint, so a count never exists without its accept.
 pub(super) fn accept(
+    conn: &Connection,
+    req: &AcceptRequest,
+    now: Millis,
+    lifetimes: Lifetimes,
+) -> Result<AcceptOutcome, StoreError> {
+    let outcome = decide_and_write(conn, req, now, lifetimes)?;
+    if let Some((source, arrival)) = Arrival::of(req, &outcome) {
+        let added = arrival.count();
+        conn.prepare_cached(
+            "INSERT INTO inbound_counts (source, minute, new, replays) VALUES (?1, ?2, ?3, ?4) \
+             ON CONFLICT (source, minute) DO UPDATE SET new = new + excluded.new, \
+             replays = replays + excluded.replays",
+        )
+        .db()?
+        .execute(params![
+            source,
+            counts::minute_of(now),
+            added.new as i64,
+            added.replays as i64
+        ])
+        .db()?;
+    }
+    Ok(outcome)
+}
+
+fn decide_and_write(
     conn: &Connection,
     req: &AcceptRequest,
     now: Millis,

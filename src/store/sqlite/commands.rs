@@ -10,6 +10,7 @@ use super::{secs_to_ms, wall_clock_ms};
 use crate::clock::Millis;
 use crate::store::counts::{self, Tally};
 use crate::store::lifecycle::{self, Effect, Lifetimes, QueueMove, Snapshot};
+use crate::store::recoveries::{self, Recovery};
 use crate::store::{
     ANSWER_BODY_ROWS, Completion, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage,
     OperationReservation, ResendEffect, ResendMark, SWEEP_LIMIT, StoreError, decode_operation,
@@ -434,6 +435,16 @@ pub(super) fn sweep(conn: &Connection, now: Millis) -> Result<usize, StoreError>
              (SELECT minute FROM delivery_counts WHERE minute <= ?1 LIMIT ?2)",
             now - counts::COUNT_LIFETIME_MS,
         ),
+        (
+            "DELETE FROM inbound_counts WHERE (source, minute) IN \
+             (SELECT source, minute FROM inbound_counts WHERE minute <= ?1 LIMIT ?2)",
+            now - recoveries::INBOUND_COUNT_LIFETIME_MS,
+        ),
+        (
+            "DELETE FROM recoveries WHERE id IN \
+             (SELECT id FROM recoveries WHERE started_at <= ?1 LIMIT ?2)",
+            now - recoveries::RECOVERY_LIFETIME_MS,
+        ),
         // History first, then the messages: the same subquery picks the same rows twice.
         (
             "DELETE FROM attempts WHERE message_id IN \
@@ -453,4 +464,34 @@ pub(super) fn sweep(conn: &Connection, now: Millis) -> Result<usize, StoreError>
             .db()?;
     }
     Ok(deleted)
+}
+
+/// Store::save_recovery: the row, then what [`recoveries::to_drop`] names, in one
+/// transaction.
+pub(super) fn save_recovery(
+    conn: &Connection,
+    recovery: &Recovery,
+    now: Millis,
+) -> Result<(), StoreError> {
+    let json = serde_json::to_string(recovery).map_err(corrupt)?;
+    conn.prepare_cached(
+        "INSERT OR REPLACE INTO recoveries (id, started_at, recovery_json) VALUES (?1, ?2, ?3)",
+    )
+    .db()?
+    .execute(params![recovery.id, recovery.started_at, json])
+    .db()?;
+    let held = conn
+        .prepare_cached("SELECT id, started_at FROM recoveries")
+        .db()?
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Millis>(1)?)))
+        .db()?
+        .collect::<Result<Vec<_>, _>>()
+        .db()?;
+    let mut delete = conn
+        .prepare_cached("DELETE FROM recoveries WHERE id = ?1")
+        .db()?;
+    for id in recoveries::to_drop(held, now) {
+        delete.execute(params![id]).db()?;
+    }
+    Ok(())
 }

@@ -10,7 +10,8 @@
 //! | 1 | the first release | seals, history counts, histories trimmed, payments kept longer |
 //! | 2 | up to commit acd07d8 | columns named after what they hold (Lua-derived before) |
 //! | 3 | up to the per-minute counts (#27) | the store-kept attempts per minute |
-//! | 4 | now | `schema.sql` |
+//! | 4 | up to the provider-side recoveries (#27) | inbound accepts per source and minute, recoveries |
+//! | 5 | now | `schema.sql` |
 //!
 //! Beside the layout, the `partitions` table records the store's partition count
 //! (`store.partitions`, [`settle_partitions`]). It is an addition, not a new layout: a store
@@ -24,7 +25,7 @@ use crate::store::StoreError;
 use crate::store::partitions::{self, Found, Partitions};
 
 /// The layout `schema.sql` creates.
-pub(super) const VERSION: i64 = 4;
+pub(super) const VERSION: i64 = 5;
 
 const SCHEMA: &str = include_str!("schema.sql");
 
@@ -80,6 +81,26 @@ CREATE TABLE delivery_counts (
 ) WITHOUT ROWID;
 "#;
 
+/// Version 4 → 5: inbound accepts per source and minute (store/recoveries.rs), counted by
+/// each accept in its transaction, and the recoveries that report them. New tables only:
+/// nothing was counted before, so a recovery counts from the upgrade on.
+const TO_V5: &str = r#"
+CREATE TABLE inbound_counts (
+    source  TEXT NOT NULL,
+    minute  INTEGER NOT NULL,
+    new     INTEGER NOT NULL DEFAULT 0,
+    replays INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source, minute)
+) WITHOUT ROWID;
+CREATE INDEX inbound_counts_by_minute ON inbound_counts (minute);
+CREATE TABLE recoveries (
+    id            TEXT PRIMARY KEY NOT NULL,
+    started_at    INTEGER NOT NULL,
+    recovery_json TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX recoveries_by_start ON recoveries (started_at);
+"#;
+
 /// One row: the partition count, fixed when the store was first used.
 const PARTITIONS_TABLE: &str = "
 CREATE TABLE IF NOT EXISTS partitions (
@@ -120,6 +141,9 @@ pub(super) fn migrate(conn: &Connection, payment_extension_ms: i64) -> Result<i6
     }
     if version < 4 {
         step(conn, 4, |tx| tx.execute_batch(TO_V4).db())?;
+    }
+    if version < 5 {
+        step(conn, 5, |tx| tx.execute_batch(TO_V5).db())?;
     }
     Ok(version)
 }

@@ -50,8 +50,9 @@ use self::error::{Db, context, db_error};
 use self::writer::Writer;
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
-    HistoryEntry, Lease, ListFilter, MessageId, MessageRecord, MinuteCount, OperationReservation,
-    Page, Partitions, PaymentStatusRead, QueueDepth, ResendEffect, ResendMark, Store, StoreError,
+    HistoryEntry, InboundCount, Lease, ListFilter, MessageId, MessageRecord, MinuteCount,
+    OperationReservation, Page, Partitions, PaymentStatusRead, QueueDepth, Recovery, ResendEffect,
+    ResendMark, Store, StoreError,
 };
 use crate::clock::Millis;
 use crate::store::lifecycle::Lifetimes;
@@ -448,6 +449,36 @@ impl Store for SqliteStore {
     ) -> Result<Vec<MinuteCount>, StoreError> {
         self.read(move |conn| reads::minute_counts(conn, since, now))
             .await
+    }
+
+    async fn inbound_counts(
+        &self,
+        source: &str,
+        since: Millis,
+        until: Millis,
+        now: Millis,
+    ) -> Result<InboundCount, StoreError> {
+        let source = source.to_string();
+        self.read(move |conn| reads::inbound_counts(conn, &source, since, until, now))
+            .await
+    }
+
+    async fn save_recovery(&self, recovery: &Recovery, now: Millis) -> Result<(), StoreError> {
+        let recovery = recovery.clone();
+        self.writer
+            .commit(None, move |conn| {
+                commands::save_recovery(conn, &recovery, now)
+            })
+            .await
+    }
+
+    async fn recoveries(&self, now: Millis) -> Result<Vec<Recovery>, StoreError> {
+        self.read(move |conn| reads::recoveries(conn, now)).await
+    }
+
+    async fn recovery(&self, id: &str, now: Millis) -> Result<Option<Recovery>, StoreError> {
+        let id = id.to_string();
+        self.read(move |conn| reads::recovery(conn, &id, now)).await
     }
 
     /// A command of its own with no `now`, so its batch does not sweep first and the count

@@ -7,6 +7,7 @@ use rusqlite::{Connection, OptionalExtension, params, params_from_iter};
 use super::error::{Db, corrupt};
 use crate::clock::Millis;
 use crate::store::counts::{self, MinuteCount};
+use crate::store::recoveries::{self, InboundCount, Recovery};
 use crate::store::{
     HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
     StoreError, matches_filter,
@@ -226,5 +227,68 @@ pub(super) fn oldest_unfinished(conn: &Connection) -> Result<Option<MessageId>, 
         .map(|id| {
             MessageId::parse(&id).ok_or_else(|| StoreError::Corrupt(format!("message id `{id}`")))
         })
+        .transpose()
+}
+
+/// Store::inbound_counts: the source's minutes of the window, summed.
+pub(super) fn inbound_counts(
+    conn: &Connection,
+    source: &str,
+    since: Millis,
+    until: Millis,
+    now: Millis,
+) -> Result<InboundCount, StoreError> {
+    let (first, last) = recoveries::count_window(since, until, now);
+    let (new, replays): (i64, i64) = conn
+        .prepare_cached(
+            "SELECT coalesce(sum(new), 0), coalesce(sum(replays), 0) FROM inbound_counts \
+             WHERE source = ?1 AND minute >= ?2 AND minute <= ?3",
+        )
+        .db()?
+        .query_row(params![source, first, last], |r| Ok((r.get(0)?, r.get(1)?)))
+        .db()?;
+    Ok(InboundCount {
+        new: u64::try_from(new).unwrap_or(0),
+        replays: u64::try_from(replays).unwrap_or(0),
+    })
+}
+
+/// Store::recoveries: the live ones, newest first.
+pub(super) fn recoveries(conn: &Connection, now: Millis) -> Result<Vec<Recovery>, StoreError> {
+    let rows = conn
+        .prepare_cached(
+            "SELECT recovery_json FROM recoveries WHERE started_at > ?1 ORDER BY id DESC LIMIT ?2",
+        )
+        .db()?
+        .query_map(
+            params![
+                now - recoveries::RECOVERY_LIFETIME_MS,
+                recoveries::MAX_RECOVERIES as i64
+            ],
+            |r| r.get::<_, String>(0),
+        )
+        .db()?
+        .collect::<Result<Vec<_>, _>>()
+        .db()?;
+    rows.iter()
+        .map(|json| serde_json::from_str(json).map_err(corrupt))
+        .collect()
+}
+
+/// Store::recovery.
+pub(super) fn recovery(
+    conn: &Connection,
+    id: &str,
+    now: Millis,
+) -> Result<Option<Recovery>, StoreError> {
+    let json: Option<String> = conn
+        .prepare_cached("SELECT recovery_json FROM recoveries WHERE id = ?1 AND started_at > ?2")
+        .db()?
+        .query_row(params![id, now - recoveries::RECOVERY_LIFETIME_MS], |r| {
+            r.get(0)
+        })
+        .optional()
+        .db()?;
+    json.map(|json| serde_json::from_str(&json).map_err(corrupt))
         .transpose()
 }

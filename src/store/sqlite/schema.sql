@@ -1,4 +1,4 @@
--- The SQLite store's layout, version 4: what a new database is created with. Older databases
+-- The SQLite store's layout, version 5: what a new database is created with. Older databases
 -- are brought here by the upgrades in migrate.rs; the upgraded schema must equal this one
 -- (tests/store_contract.rs checks it on the fixtures of versions 1 and 2).
 -- Beside it, every database gets the one-row `partitions` table, the partition count recorded
@@ -107,3 +107,27 @@ CREATE TABLE delivery_counts (
     failures   INTEGER NOT NULL DEFAULT 0,
     dead       INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
+
+-- Inbound accepts per source and minute (store::recoveries), counted by each accept of a
+-- provider callback in its transaction: `new` when it was recorded, `replays` when its
+-- dedupe key was already claimed. What a recovery reports. A minute's row is deleted by the
+-- sweep once its lifetime (recoveries::INBOUND_COUNT_LIFETIME_MS, two days) is over.
+CREATE TABLE inbound_counts (
+    source  TEXT NOT NULL,
+    -- Start of the minute, ms.
+    minute  INTEGER NOT NULL,
+    new     INTEGER NOT NULL DEFAULT 0,
+    replays INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (source, minute)
+) WITHOUT ROWID;
+CREATE INDEX inbound_counts_by_minute ON inbound_counts (minute);
+
+-- Provider-side recoveries (store::Recovery, as JSON): the newest 100 at most, each kept 30
+-- days after it started (recoveries::RECOVERY_LIFETIME_MS).
+CREATE TABLE recoveries (
+    -- rec_...: sorts by start.
+    id            TEXT PRIMARY KEY NOT NULL,
+    started_at    INTEGER NOT NULL,
+    recovery_json TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX recoveries_by_start ON recoveries (started_at);

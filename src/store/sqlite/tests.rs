@@ -284,3 +284,43 @@ async fn a_newer_schema_is_refused() {
     let err = SqliteStore::open(&path, 60).unwrap_err();
     assert!(err.to_string().contains("newer"), "{err}");
 }
+
+/// A layout 4 database (the per-minute counts' release: layout 5 only added `inbound_counts`
+/// and `recoveries`, so this one is a new database with those undone) is upgraded in place to
+/// [`migrate::VERSION`]: what it held stays, and inbound accepts are counted from then on.
+#[tokio::test]
+async fn a_layout_4_database_gains_the_recovery_tables_and_keeps_its_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cb.db");
+    drop(SqliteStore::open(&path, 60).unwrap());
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "DROP TABLE inbound_counts; DROP TABLE recoveries; \
+             INSERT INTO delivery_counts (minute, deliveries) VALUES (0, 7); \
+             PRAGMA user_version = 4;",
+        )
+        .unwrap();
+    }
+    let store = SqliteStore::open(&path, 60).unwrap();
+    let version: i64 = Connection::open(&path)
+        .unwrap()
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!((version, migrate::VERSION), (5, 5));
+    assert_eq!(count(&store, "SELECT deliveries FROM delivery_counts"), 7);
+    assert_eq!(count(&store, "SELECT count(*) FROM recoveries"), 0);
+    let recovery = crate::store::Recovery {
+        id: crate::store::Recovery::new_id(T0),
+        source: "payzu".into(),
+        started_at: T0,
+        from: T0 - 1000,
+        to: T0,
+        count_until: T0 + 60_000,
+        windows: vec![],
+        baseline: Default::default(),
+        settled: None,
+    };
+    store.save_recovery(&recovery, T0).await.unwrap();
+    assert_eq!(store.recoveries(T0).await.unwrap(), [recovery]);
+}

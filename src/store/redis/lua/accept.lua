@@ -5,7 +5,9 @@
 -- other processes' dispatchers (wake.lua).
 -- KEYS: 1 dedupe, 2 message hash, 3 ordering queue, 4 due zset, 5 index of the initial state,
 --       6 index of the ordering key, 7 payment status, 8 expiry bucket index,
---       9 signature seal (a key that never exists when there is no seal)
+--       9 signature seal (a key that never exists when there is no seal),
+--       10 the source's inbound counts of the hour (recoveries.rs; never written when ARGV[18]
+--       is '')
 -- ARGV: 1 claim end ms, 2 fingerprint, 3 stored response, 4 id, 5 record json, 6 now ms,
 --       7 first state, 8 payment target status ('' = none),
 --       9 allowed previous statuses (space separated), 10 payment state end ms,
@@ -13,11 +15,21 @@
 --       ordering key, 14 the digits after the time of the id a compact claim of this claim
 --       key names (partition, claim key hash), 15 the compact claim to write ('' = write
 --       the string form), 16 the time the message is due if it heads its queue ('' = it
---       joins no queue), 17 the status a payment never seen counts as
+--       joins no queue), 17 the status a payment never seen counts as, 18 the minute of
+--       the hour an inbound callback is counted in ('' = not counted), 19 how long (ms) the
+--       counts' hash lives
 --
 -- Lifetimes are decided by the caller's clock (expiry.lua): a string past its end is treated
 -- as absent, and the sweeper deletes it.
 local now = tonumber(ARGV[6])
+-- An inbound callback recorded ('n') or replayed ('r') counts in its source's minute, in this
+-- same step (store/recoveries.rs).
+local function arrived(kind)
+  if ARGV[18] ~= '' then
+    redis.call('HINCRBY', KEYS[10], ARGV[18] .. kind, 1)
+    redis.call('PEXPIRE', KEYS[10], ARGV[19])
+  end
+end
 -- The live claim of this request's dedupe key: its fingerprint, stored response and end.
 local claim = redis.call('GET', KEYS[1])
 local accepted, claim_ends = compact_claim(claim)
@@ -44,7 +56,10 @@ end
 if ARGV[12] ~= '' then
   local first = live(KEYS[9], now)
   if first then
-    if first == claim_response then return {'dup', first} end
+    if first == claim_response then
+      arrived('r')
+      return {'dup', first}
+    end
     return {'reused'}
   end
 end
@@ -59,6 +74,7 @@ if claim_response then
     return {'conflict'}
   end
   seal(claim_response, claim_ends)
+  arrived('r')
   return {'dup', claim_response}
 end
 if ARGV[8] ~= '' then
@@ -94,4 +110,5 @@ if ARGV[16] ~= '' and redis.call('RPUSH', KEYS[3], id) == 1 then
 end
 redis.call('ZADD', KEYS[5], 0, id)
 redis.call('ZADD', KEYS[6], 0, id)
+arrived('n')
 return {'ok'}
