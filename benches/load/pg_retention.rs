@@ -142,6 +142,34 @@ pub async fn run(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
         "flat (≤ 1.10×)",
         Some(growth <= 1.10),
     );
+    // Against day 30 alone, a first period written with less bloat than the live partitions
+    // reach later reads as growth: the largest size of each later period, and what the tables
+    // held then, say whether the size keeps growing or has levelled off.
+    let periods: Vec<String> = days[first..]
+        .chunks(RETENTION_DAYS as usize)
+        .enumerate()
+        .filter_map(|(n, period)| {
+            let (i, top) = period
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, d)| d.size.total())?;
+            let day = first + n * RETENTION_DAYS as usize + i + 1;
+            Some(format!(
+                "days {}–{}: max {} on day {day} (finished days {}, live partitions and queue {}, dedupe claims {}, other {})",
+                first + n * RETENTION_DAYS as usize + 1,
+                first + n * RETENTION_DAYS as usize + period.len(),
+                mib(top.size.total()),
+                mib(top.size.finished),
+                mib(top.size.live),
+                mib(top.size.claims),
+                mib(top.size.other)
+            ))
+        })
+        .collect();
+    report.row(
+        "PostgreSQL retention: the largest size in each retention period after the first",
+        periods.join("; "),
+    );
     // The sweeps that had a day to take: from day 31 on.
     let swept = &days[first..];
     let median = |f: &dyn Fn(&Day) -> f64| {
