@@ -247,7 +247,7 @@ async fn refused_recoveries_name_the_field_and_record_nothing() {
     ];
     for (body, field, limit) in cases {
         let (status, answer) = post_recovery(&process.url, &body).await;
-        assert_eq!(status, 400, "{body}: {answer}");
+        assert_eq!(status, 422, "{body}: {answer}");
         assert_eq!(answer["error"], "invalid_recovery", "{answer}");
         let message = answer["message"].as_str().unwrap();
         assert!(

@@ -64,8 +64,6 @@ error_catalogue! {
         "A field of a hand-off or resend body, or the `Idempotency-Key` header, is missing or wrong; the message names it.";
     InvalidQuery => StatusCode::BAD_REQUEST, "invalid_query",
         "A list filter or resend selection is malformed (a bad time, state, id or limit); the message names it.";
-    InvalidRecovery => StatusCode::BAD_REQUEST, "invalid_recovery",
-        "A recovery is refused: an unknown source or one without `provider_api_url`, a bad time, `from` not before `to`, `from` more than 30 days back, `to` in the future, or `countSecs` out of range; the message names the field and the limit, and nothing was sent or recorded.";
     NoSelector => StatusCode::BAD_REQUEST, "no_selector",
         "A resend names no `messageIds`, `paymentId`, `transactionId` or time window.";
     UnreadableBody => StatusCode::BAD_REQUEST, "unreadable_body",
@@ -94,6 +92,8 @@ error_catalogue! {
         "The body is larger than `server.max_body_bytes`.";
     IdempotencyKeyReused => StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused",
         "The idempotency key was used before with a different body.";
+    InvalidRecovery => StatusCode::UNPROCESSABLE_ENTITY, "invalid_recovery",
+        "A recovery is refused: an unknown source or one without `provider_api_url`, a bad time, `from` not before `to`, `from` more than 30 days back, `to` in the future, or `countSecs` out of range; the message names the field and the limit, and nothing was sent or recorded.";
     StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE, "store_unavailable",
         "The store cannot record durably right now; nothing was recorded; retry after `Retry-After`.";
     StoreFull => StatusCode::SERVICE_UNAVAILABLE, "store_full",

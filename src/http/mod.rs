@@ -12,6 +12,7 @@ pub mod console;
 pub mod error;
 pub mod health;
 pub mod notifications;
+mod numbers;
 pub mod openapi;
 pub mod query;
 pub mod record;

@@ -20,6 +20,7 @@ use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
 use super::auth::Connector;
+use super::numbers::whole_seconds;
 use super::read_body;
 use super::record::{Recorded, Route, answer, record};
 use crate::app::App;
@@ -51,21 +52,6 @@ pub struct NotificationRequest {
     #[serde(default, deserialize_with = "whole_seconds")]
     #[schema(minimum = 1, maximum = 604800)]
     pub max_age_secs: Option<u64>,
-}
-
-/// A count of seconds written `60` or `60.0` (the same number to JSON); not a fraction.
-fn whole_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
-        return Ok(None);
-    };
-    n.as_u64()
-        .or_else(|| {
-            n.as_f64()
-                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= u32::MAX as f64)
-                .map(|f| f as u64)
-        })
-        .map(Some)
-        .ok_or_else(|| serde::de::Error::custom(format!("`{n}` is not a whole number of seconds")))
 }
 
 /// Hand off a payment notification.

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use utoipa::ToSchema;
 
 use super::auth::Admin;
+use super::numbers::whole_seconds;
 use super::{path_segment, read_body};
 use crate::app::App;
 use crate::clock::{RFC3339_FORMS, parse_rfc3339};
@@ -32,6 +33,7 @@ pub struct RecoveryRequest {
     pub to: String,
     /// How long the source's arrivals are counted for the report, 1 to 86400 seconds
     /// (default 3600).
+    #[serde(default, deserialize_with = "whole_seconds")]
     #[schema(minimum = 1, maximum = 86400)]
     pub count_secs: Option<u64>,
 }
@@ -57,7 +59,8 @@ fn time(field: &'static str, value: &str) -> Result<i64, ApiError> {
     request_body = RecoveryRequest,
     responses(
         (status = 201, description = "The recovery, its windows and its figures so far", body = RecoveryView),
-        (status = 400, description = "A refused request (`invalid_recovery`, naming the field and the limit): nothing was sent or recorded", body = ErrorBody),
+        (status = 400, description = "A body that is not a recovery request (`invalid_request`)", body = ErrorBody),
+        (status = 422, description = "A refused request (`invalid_recovery`, naming the field and the limit: a source that is not configured for recovery, a time out of the limits); nothing was sent or recorded", body = ErrorBody),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 503, body = ErrorBody),
     ),
@@ -72,7 +75,7 @@ pub async fn start(
 ) -> Result<(StatusCode, Json<RecoveryView>), ApiError> {
     let bytes = read_body(&app, body, &headers).await?;
     let req: RecoveryRequest = serde_json::from_slice(&bytes).map_err(|e| {
-        ApiError::bad_request(ErrorCode::InvalidRecovery, format!("recovery body: {e}"))
+        ApiError::bad_request(ErrorCode::InvalidRequest, format!("recovery body: {e}"))
     })?;
     let asked = RecoverRequest {
         from: time("from", &req.from)?,
