@@ -125,19 +125,45 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     let mut dispatcher =
         Daemon::start(env.dir.path(), "first-attempt", &env.redis.url(), true).await?;
 
+    first_attempt(env, &dispatcher, "f", "", report).await;
+    // Accepted by a second process with dispatch off: the dispatcher is woken through Redis
+    // (the accept script's publish), not by its own accept.
+    let mut front = Daemon::start(
+        env.dir.path(),
+        "first-attempt-front",
+        &env.redis.url(),
+        false,
+    )
+    .await?;
+    first_attempt(env, &front, "g", ", accepted by another process", report).await;
+    front.stop();
+    dispatcher.stop();
+    env.redis.flushall().await?;
+    Ok(())
+}
+
+/// Hands off notifications through `front` at the plan's open-loop rate (payment ids
+/// `pay-<run tag>-<id_tag><i>`) and reports the time from each 202 to its first arrival at
+/// the sink, delivered by whichever process dispatches.
+async fn first_attempt(env: &Env, front: &Daemon, id_tag: &str, label: &str, report: &mut Report) {
+    let plan = env.plan;
     eprintln!(
         "  first-attempt latency: open-loop hand-off at {}/s for {} s",
         plan.first_rate, plan.first_secs
     );
     env.sink.reset();
     let accepted_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let (host, url, tag) = (dispatcher.host(), env.sink_url.clone(), env.run_tag.clone());
+    let (host, url, prefix) = (
+        front.host(),
+        env.sink_url.clone(),
+        format!("pay-{}-{id_tag}", env.run_tag),
+    );
     let record = accepted_at.clone();
     let handoffs = open_loop(
-        dispatcher.addr,
+        front.addr,
         plan.first_rate,
         plan.first_secs,
-        Arc::new(move |i| notification_request(&host, &format!("pay-{tag}-f{i}"), &url)),
+        Arc::new(move |i| notification_request(&host, &format!("{prefix}{i}"), &url)),
         Arc::new(move |_, r| {
             let now = Instant::now();
             match (r.status, json_field(&r.body, "notificationId")) {
@@ -173,10 +199,10 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
         }
     }
     let p99 = hist.value_at_quantile(0.99);
-    eprintln!("  first attempt {}", percentiles(&hist));
+    eprintln!("  first attempt{label} {}", percentiles(&hist));
     report.target(
         format!(
-            "First attempt after acceptance ({}/s hand-off, {got}/{} delivered)",
+            "First attempt after acceptance{label} ({}/s hand-off, {got}/{} delivered)",
             plan.first_rate,
             accepted.len()
         ),
@@ -186,19 +212,16 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     );
     if early > 0 {
         report.note(format!(
-            "first attempt: {early} deliveries reached the sink before the client had read the 202 (counted as 0 ms)"
+            "first attempt{label}: {early} deliveries reached the sink before the client had read the 202 (counted as 0 ms)"
         ));
     }
     if handoffs.failed > 0 {
         report.note(format!(
-            "first-attempt hand-off: {} requests failed ({})",
+            "first-attempt hand-off{label}: {} requests failed ({})",
             handoffs.failed,
             handoffs.failures()
         ));
     }
-    dispatcher.stop();
-    env.redis.flushall().await?;
-    Ok(())
 }
 
 /// Hands off the plan's `dispatch_n` notifications (payment ids `pay-<run tag>-<id_tag><i>`)
