@@ -33,11 +33,14 @@ enum Footprint {
 impl Footprint {
     fn count(&self) -> u64 {
         match self {
-            // Less the attempts-per-minute hashes, which end by their Redis TTL
-            // (assert_only_a_payment_state_is_left checks they have one).
+            // Less the attempts-per-minute hashes and the inbound counts, which end by their
+            // Redis TTL (assert_only_a_payment_state_is_left checks they have one).
             Footprint::Redis(redis) => {
                 let all: u64 = redis.cli(&["DBSIZE"]).parse().expect("DBSIZE");
-                let counts = redis.cli(&["--scan", "--pattern", "*:n:*"]).lines().count();
+                let counts: usize = ["*:n:*", "*:in:*"]
+                    .iter()
+                    .map(|p| redis.cli(&["--scan", "--pattern", p]).lines().count())
+                    .sum();
                 all - counts as u64
             }
             Footprint::Sqlite(path) => self.rows(path).values().sum(),
@@ -71,13 +74,21 @@ impl Footprint {
     fn assert_only_a_payment_state_is_left(&self) {
         match self {
             Footprint::Redis(redis) => {
-                // The attempts-per-minute hashes end by their Redis TTL (at most three hours
-                // of the server's time), not by the virtual clock's sweep: each must have one.
+                // The attempts-per-minute hashes (at most three hours of the server's time)
+                // and the inbound counts per source (at most two days and an hour) end by
+                // their Redis TTL, not by the virtual clock's sweep: each must have one.
                 let mut keys: Vec<String> = Vec::new();
                 for key in redis.cli(&["--scan"]).lines() {
-                    if key.contains(":n:") {
+                    let bound = if key.contains(":n:") {
+                        Some(3 * 3_600_000)
+                    } else if key.contains(":in:") {
+                        Some(49 * 3_600_000)
+                    } else {
+                        None
+                    };
+                    if let Some(bound) = bound {
                         let ttl: i64 = redis.cli(&["PTTL", key]).trim().parse().unwrap();
-                        assert!(ttl > 0 && ttl <= 3 * 3_600_000, "{key}: PTTL {ttl}");
+                        assert!(ttl > 0 && ttl <= bound, "{key}: PTTL {ttl}");
                     } else {
                         keys.push(key.to_string());
                     }
