@@ -321,6 +321,23 @@ async fn a_failing_window_is_retried_or_recorded_while_the_others_are_sent() {
         .collect();
     assert_eq!(ids, [&refused["id"], &retried["id"]]);
     assert_eq!(listed["recoveries"][0]["windows"][0]["error"], json!(error));
+
+    // An answer that does not end is not read into memory, nor asked for again.
+    let endless = format!(r#"{{"message":"{}","total":1}}"#, "x".repeat(100_000));
+    fake.fail_next(&[(200, &endless)]);
+    let (status, cut) = post_recovery(&process.url, &body).await;
+    assert_eq!(status, 201, "{cut}");
+    let window = &cut["windows"][0];
+    assert_eq!(window["state"], "failed", "{cut}");
+    assert_eq!(window["attempts"], 1, "an oversized answer is not retried");
+    assert!(
+        window["error"]
+            .as_str()
+            .unwrap()
+            .contains("over 65536 bytes"),
+        "{cut}"
+    );
+    assert_eq!(fake.calls().len(), 10, "the other windows were sent");
 }
 
 /// `callbackd recover --wait` starts the recovery, follows it and prints the report.

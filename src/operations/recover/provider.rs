@@ -24,6 +24,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const FIRST_BACKOFF: Duration = Duration::from_millis(250);
 /// Characters of a refusal's body kept in the window's error.
 const BODY_CHARS: usize = 200;
+/// The largest answer read: `{"message", "total"}` is a few dozen bytes.
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 /// The client recoveries use, built as the crate's other clients are: no proxy from the
 /// environment (the token goes only where the config says), no redirects (a redirect would
@@ -70,10 +72,9 @@ async fn try_once(
         .await
         .map_err(|e| (format!("cannot reach {url}: {e}"), true))?;
     let status = response.status();
-    let text = response
-        .text()
+    let text = capped_text(response)
         .await
-        .map_err(|e| (format!("HTTP {status}, unreadable body: {e}"), true))?;
+        .map_err(|(e, retry)| (format!("HTTP {status}, {e}"), retry))?;
     if !status.is_success() {
         let short: String = text.chars().take(BODY_CHARS).collect();
         return Err((format!("HTTP {status}: {short}"), status.is_server_error()));
@@ -87,6 +88,24 @@ async fn try_once(
                 false,
             )
         })
+}
+
+/// The answer's body, refused past [`MAX_ANSWER_BYTES`]: a provider's answer is read into
+/// memory, and one that does not end must not take the process's memory with it.
+/// A body cut off is worth a retry; one too long would be as long again.
+async fn capped_text(mut response: reqwest::Response) -> Result<String, (String, bool)> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| (format!("unreadable body: {e}"), true))?
+    {
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Err((format!("a body over {MAX_ANSWER_BYTES} bytes"), false));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// Sends the window `[from, to)`, retrying what may pass on a second try.
