@@ -26,8 +26,12 @@ local now = tonumber(ARGV[6])
 -- same step (store/recoveries.rs).
 local function arrived(kind)
   if ARGV[18] ~= '' then
-    redis.call('HINCRBY', KEYS[10], ARGV[18] .. kind, 1)
-    redis.call('PEXPIRE', KEYS[10], ARGV[19])
+    -- The hash's end is the end of its hour plus the counts' lifetime, the same for every
+    -- accept of the hour: set once per minute and kind (when the field is created), not on
+    -- every accept.
+    if redis.call('HINCRBY', KEYS[10], ARGV[18] .. kind, 1) == 1 then
+      redis.call('PEXPIRE', KEYS[10], ARGV[19])
+    end
   end
 end
 -- The live claim of this request's dedupe key: its fingerprint, stored response and end.
