@@ -17,8 +17,14 @@
 //!   the next claim count it; what was known until then stays a lower bound, since this
 //!   process's writes only add claimable work;
 //! - whatever is known is counted again after [`RECOUNT_MS`]: other processes sharing the
-//!   store write work this process hears nothing about.
+//!   store write work this process hears nothing about;
+//! - unless it hears of it: while this process is subscribed to the other processes' wake-ups
+//!   (`wake.rs`), their work marks its partition for a count as a write of this process does,
+//!   and what is known stands for [`HEARD_RECOUNT_MS`] instead. What no wake-up announces (a
+//!   retry another process scheduled, the lease of a process that died) is then found within
+//!   that, which is also how often an idle dispatcher polls.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use redis::{Pipeline, Value};
@@ -34,6 +40,11 @@ use crate::store::{Lease, MessageState, StoreError};
 /// keeps that well inside the first attempt's 100 ms p99 target (issue 13), while a busy
 /// dispatcher counts each partition at most 20 times a second rather than before every claim.
 pub(super) const RECOUNT_MS: Millis = 50;
+
+/// How long what a partition had is trusted while this process hears other processes' work
+/// through its wake-up subscription: the signalled dispatcher's idle poll (2 s). Without it,
+/// every wake-up of a trickle of work would count all the partitions again.
+pub(super) const HEARD_RECOUNT_MS: Millis = 2_000;
 
 /// Most messages a partition is given per turn of a claim's share ([`spread`]). A call of
 /// claim.lua costs Redis about as much for one message as for several (the call, `TIME`, its
@@ -58,10 +69,10 @@ pub(super) struct Known {
 
 impl Known {
     /// Whether this still stands at `now` (caller's clock) and `lease_now` (lease clock).
-    fn trusted(&self, now: Millis, lease_now: Millis) -> bool {
+    fn trusted(&self, now: Millis, lease_now: Millis, trust_ms: Millis) -> bool {
         // A lease clock that went back (another Redis answering, a test's clock) proves
         // nothing about age: count again.
-        if !(0..RECOUNT_MS).contains(&(lease_now - self.at)) {
+        if !(0..trust_ms).contains(&(lease_now - self.at)) {
             return false;
         }
         // A retry that came due or a lease that ran out since makes the count short: the
@@ -87,6 +98,9 @@ struct Hint {
 /// starts.
 pub(super) struct Hints {
     table: Mutex<Table>,
+    /// Whether other processes' work is heard of (`wake.rs`): what is known then stands for
+    /// [`HEARD_RECOUNT_MS`], else for [`RECOUNT_MS`].
+    heard: AtomicBool,
 }
 
 struct Table {
@@ -108,7 +122,13 @@ impl Hints {
                 partitions: vec![Hint::default(); partitions],
                 next_start: 0,
             }),
+            heard: AtomicBool::new(false),
         }
+    }
+
+    /// The wake-up subscription is in place (`true`) or lost (`false`).
+    pub(super) fn hear(&self, heard: bool) {
+        self.heard.store(heard, Ordering::Relaxed);
     }
 
     /// A hint is only ever a reason to count or skip, and claim.lua decides what is leased,
@@ -119,12 +139,19 @@ impl Hints {
 
     /// The partitions to count before sharing a claim at `now` / `lease_now`.
     pub(super) fn to_count(&self, now: Millis, lease_now: Millis) -> Vec<Asked> {
+        let trust_ms = if self.heard.load(Ordering::Relaxed) {
+            HEARD_RECOUNT_MS
+        } else {
+            RECOUNT_MS
+        };
         let table = self.table();
         table
             .partitions
             .iter()
             .enumerate()
-            .filter(|(_, h)| h.recount || !h.known.is_some_and(|k| k.trusted(now, lease_now)))
+            .filter(|(_, h)| {
+                h.recount || !h.known.is_some_and(|k| k.trusted(now, lease_now, trust_ms))
+            })
             .map(|(partition, h)| Asked {
                 partition,
                 writes: h.writes,

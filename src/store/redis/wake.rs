@@ -14,6 +14,10 @@
 //!   a plain `PUBLISH` would cross the cluster bus to every node for every accept. The
 //!   cluster client here subscribes to each channel at its master, and subscribes again by
 //!   itself after a failover or a slot move. One server takes `PUBLISH`/`SUBSCRIBE`.
+//! - **Heard work is counted where it was written.** Each message marks its partition for a
+//!   count, and while the subscription is in place the claim trusts what it knows of the
+//!   other partitions for 2 s instead of 50 ms (`claim.rs`), so a trickle of work from other
+//!   processes does not count every partition at every wake-up.
 //! - **Lost messages are assumed.** A subscription that drops or goes silent (a `PING`
 //!   unanswered within the store timeout) is opened again with backoff, and the moment it
 //!   is back counts as a wake: what was published while it was gone is claimed then. The
@@ -107,6 +111,9 @@ async fn run(config: WakeConfig, signal: Arc<watch::Sender<u64>>) {
         } else {
             subscribe_server(&config, &signal, &mut backoff).await
         };
+        // Other processes' work is unheard of until subscribed again: count as often as
+        // without a subscription.
+        config.hints.hear(false);
         let lost = match lost {
             Lost::Gone(why) => why,
             Lost::Refused(why) => {
@@ -180,6 +187,7 @@ async fn subscribe_server(
     tracing::debug!(store = %config.shown_url, "subscribed to work of other processes");
     // Whatever was published while nothing was subscribed is counted and claimed now.
     config.hints.forget_all();
+    config.hints.hear(true);
     wake(signal);
     let mut heartbeat = tokio::time::interval(HEARTBEAT);
     heartbeat.tick().await;
@@ -241,6 +249,7 @@ async fn subscribe_cluster(
     *backoff = MIN_BACKOFF;
     tracing::debug!(store = %config.shown_url, "subscribed to work of other processes");
     config.hints.forget_all();
+    config.hints.hear(true);
     wake(signal);
     loop {
         tokio::time::sleep(HEARTBEAT).await;

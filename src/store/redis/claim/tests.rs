@@ -1,6 +1,6 @@
 //! The sharing and the count-or-skip rule, on a virtual clock.
 
-use super::{Asked, CLAIM_CHUNK, Hints, Known, RECOUNT_MS, spread};
+use super::{Asked, CLAIM_CHUNK, HEARD_RECOUNT_MS, Hints, Known, RECOUNT_MS, spread};
 use crate::clock::Millis;
 
 const T0: Millis = 1_700_000_000_000;
@@ -124,6 +124,22 @@ fn everything_is_counted_again_after_the_recount_interval() {
     assert!(counted(&hints, T0 + 10 * RECOUNT_MS, T0 + RECOUNT_MS - 1).is_empty());
     assert_eq!(counted(&hints, T0, T0 + RECOUNT_MS), vec![0, 1]);
     assert_eq!(counted(&hints, T0, T0 - 1), vec![0, 1]);
+}
+
+/// While other processes' work is heard of, what is known stands for HEARD_RECOUNT_MS; a
+/// wake-up (a write there, as this process's own) makes its partition alone counted again,
+/// and losing the subscription brings the short interval back.
+#[test]
+fn heard_work_is_counted_where_it_was_written_and_the_rest_later() {
+    let hints = Hints::new(3);
+    hints.hear(true);
+    learn_all(&hints, T0, |p| claimable(T0, p));
+    assert!(counted(&hints, T0, T0 + RECOUNT_MS).is_empty());
+    hints.wrote(1);
+    assert_eq!(counted(&hints, T0, T0 + RECOUNT_MS), vec![1]);
+    assert_eq!(counted(&hints, T0, T0 + HEARD_RECOUNT_MS), vec![0, 1, 2]);
+    hints.hear(false);
+    assert_eq!(counted(&hints, T0, T0 + RECOUNT_MS), vec![0, 1, 2]);
 }
 
 /// An empty partition is skipped until its next due entry comes due (caller's clock) or its
