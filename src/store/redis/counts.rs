@@ -18,20 +18,89 @@ use redis::Pipeline;
 
 use super::RedisStore;
 use super::connection::Sent;
+use super::keys::Keys;
 use crate::clock::Millis;
 use crate::store::StoreError;
 use crate::store::counts::{self, COUNT_LIFETIME_MS, MINUTE_MS, MinuteCount, Tally};
 
-const HOUR_MS: Millis = 3_600_000;
+pub(super) const HOUR_MS: Millis = 3_600_000;
 
 /// The hour (ms since the epoch / 1 h) whose hash holds `now`'s minute.
 pub(super) fn hour_of(now: Millis) -> Millis {
     now.div_euclid(HOUR_MS)
 }
 
+/// The minute of the hour that `now`'s fields start with (`17` in `17d`).
+pub(super) fn minute_of_hour(now: Millis) -> Millis {
+    now.rem_euclid(HOUR_MS) / MINUTE_MS
+}
+
+/// How long (ms from `now`) an hourly hash of `now`'s hour lives when its counts are kept
+/// `lifetime` ms: until its last minute's counts are gone.
+pub(super) fn hash_lifetime_ms(now: Millis, lifetime: Millis) -> Millis {
+    ((hour_of(now) + 1) * HOUR_MS + lifetime - now).max(1)
+}
+
+/// One field of an hourly hash: the start of its minute (ms), its letter, its count.
+pub(super) struct MinuteField {
+    pub(super) minute: Millis,
+    pub(super) letter: char,
+    pub(super) n: u64,
+}
+
+/// The fields of hour `hour`'s hash; a field not of the form `<minute><letter>` is left out.
+fn fields(hour: Millis, hash: HashMap<String, u64>) -> impl Iterator<Item = MinuteField> {
+    hash.into_iter().filter_map(move |(field, n)| {
+        let letter = field.chars().last()?;
+        let minute: Millis = field[..field.len() - letter.len_utf8()].parse().ok()?;
+        Some(MinuteField {
+            minute: hour * HOUR_MS + minute * MINUTE_MS,
+            letter,
+            n,
+        })
+    })
+}
+
+/// Every partition's hourly hashes named by `name` for the hours of `[first, last]`, in one
+/// pipeline per partition: their fields whose minute lies in `[first, last]`.
+pub(super) async fn read_minutes(
+    store: &RedisStore,
+    first: Millis,
+    last: Millis,
+    name: impl Fn(&Keys, Millis) -> String,
+) -> Result<Vec<MinuteField>, StoreError> {
+    if first > last {
+        return Ok(Vec::new());
+    }
+    let hours: Vec<Millis> = (hour_of(first)..=hour_of(last)).collect();
+    let pipes: Vec<Pipeline> = store
+        .keys
+        .all()
+        .map(|keys| {
+            let mut pipe = redis::pipe();
+            for hour in &hours {
+                pipe.hgetall(name(&keys, *hour));
+            }
+            pipe
+        })
+        .collect();
+    let hashes: Vec<Vec<HashMap<String, u64>>> = store.every_partition(Sent::Read, &pipes).await?;
+    Ok(hashes
+        .into_iter()
+        .flat_map(|partition| {
+            hours
+                .iter()
+                .zip(partition)
+                .flat_map(|(hour, hash)| fields(*hour, hash))
+                .collect::<Vec<_>>()
+        })
+        .filter(|field| (first..=last).contains(&field.minute))
+        .collect())
+}
+
 /// The fields a completion at `now` adds to, with how much: what apply.lua `HINCRBY`s.
 pub(super) fn increments(tally: Tally, now: Millis) -> Vec<(String, u64)> {
-    let minute = counts::minute_of(now).rem_euclid(HOUR_MS) / MINUTE_MS;
+    let minute = minute_of_hour(now);
     tally
         .fields()
         .map(|(name, n)| {
@@ -45,10 +114,9 @@ pub(super) fn increments(tally: Tally, now: Millis) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// How long (ms from `now`) the hash of `now`'s hour lives: until its last minute's counts are
-/// gone.
+/// How long (ms from `now`) the hash of `now`'s hour lives.
 pub(super) fn lifetime_ms(now: Millis) -> Millis {
-    ((hour_of(now) + 1) * HOUR_MS + COUNT_LIFETIME_MS - now).max(1)
+    hash_lifetime_ms(now, COUNT_LIFETIME_MS)
 }
 
 /// Store::minute_counts: the hashes of every hour of the window (at most three, since no
@@ -59,53 +127,23 @@ pub(super) async fn minute_counts(
     now: Millis,
 ) -> Result<Vec<MinuteCount>, StoreError> {
     let (first, last) = counts::window(since, now);
-    if first > last {
-        return Ok(Vec::new());
-    }
-    let hours: Vec<Millis> = (hour_of(first)..=hour_of(last)).collect();
-    let pipes: Vec<Pipeline> = store
-        .keys
-        .all()
-        .map(|keys| {
-            let mut pipe = redis::pipe();
-            for hour in &hours {
-                pipe.hgetall(keys.counts(*hour));
-            }
-            pipe
-        })
-        .collect();
-    let hashes: Vec<Vec<HashMap<String, u64>>> = store.every_partition(Sent::Read, &pipes).await?;
-    let rows = hashes.into_iter().flat_map(|partition| {
-        hours
-            .iter()
-            .zip(partition)
-            .flat_map(|(hour, hash)| decode(*hour, hash))
-            .collect::<Vec<_>>()
-    });
-    Ok(counts::merge(
-        rows.filter(|row| (first..=last).contains(&row.minute)),
-    ))
+    let fields = read_minutes(store, first, last, |keys, hour| keys.counts(hour)).await?;
+    Ok(counts::merge(fields.into_iter().filter_map(row)))
 }
 
-/// The rows of one hour's hash; a field this code does not know is left out.
-fn decode(hour: Millis, hash: HashMap<String, u64>) -> Vec<MinuteCount> {
-    hash.into_iter()
-        .filter_map(|(field, n)| {
-            let (minute, letter) = field.split_at(field.len().checked_sub(1)?);
-            let minute: Millis = minute.parse().ok()?;
-            let mut row = MinuteCount {
-                minute: hour * HOUR_MS + minute * MINUTE_MS,
-                ..MinuteCount::default()
-            };
-            match letter {
-                "d" => row.deliveries = n,
-                "f" => row.failures = n,
-                "x" => row.dead = n,
-                _ => return None,
-            }
-            Some(row)
-        })
-        .collect()
+/// The row of one field; a letter this code does not know is left out.
+fn row(field: MinuteField) -> Option<MinuteCount> {
+    let mut row = MinuteCount {
+        minute: field.minute,
+        ..MinuteCount::default()
+    };
+    match field.letter {
+        'd' => row.deliveries = field.n,
+        'f' => row.failures = field.n,
+        'x' => row.dead = field.n,
+        _ => return None,
+    }
+    Some(row)
 }
 
 #[cfg(test)]
@@ -122,7 +160,7 @@ mod tests {
         assert_eq!(added, [("17f".to_string(), 1), ("17x".to_string(), 1)]);
         let hash: HashMap<String, u64> = added.into_iter().collect();
         assert_eq!(
-            counts::merge(decode(hour_of(now), hash)),
+            counts::merge(fields(hour_of(now), hash).filter_map(row)),
             [MinuteCount {
                 minute: T0 + 17 * MINUTE_MS,
                 deliveries: 0,

@@ -14,29 +14,24 @@
 
 use std::collections::HashMap;
 
-use redis::{Cmd, Pipeline};
+use redis::Cmd;
 
 use super::RedisStore;
-use super::connection::Sent;
-use super::counts::hour_of;
+use super::counts::{hash_lifetime_ms, minute_of_hour, read_minutes};
 use crate::clock::Millis;
 use crate::store::StoreError;
-use crate::store::counts::MINUTE_MS;
 use crate::store::recoveries::{
     self, INBOUND_COUNT_LIFETIME_MS, InboundCount, RECOVERY_LIFETIME_MS, Recovery,
 };
 
-const HOUR_MS: Millis = 3_600_000;
-
 /// The field prefix (minute of the hour) an accept at `now` adds to.
 pub(super) fn field(now: Millis) -> String {
-    (now.rem_euclid(HOUR_MS) / MINUTE_MS).to_string()
+    minute_of_hour(now).to_string()
 }
 
-/// How long (ms from `now`) the hash of `now`'s hour lives: until its last minute's counts
-/// are gone.
+/// How long (ms from `now`) the hash of `now`'s hour lives.
 pub(super) fn lifetime_ms(now: Millis) -> Millis {
-    ((hour_of(now) + 1) * HOUR_MS + INBOUND_COUNT_LIFETIME_MS - now).max(1)
+    hash_lifetime_ms(now, INBOUND_COUNT_LIFETIME_MS)
 }
 
 /// Store::inbound_counts: the source's hashes of every hour of the window, every partition.
@@ -48,43 +43,16 @@ pub(super) async fn inbound_counts(
     now: Millis,
 ) -> Result<InboundCount, StoreError> {
     let (first, last) = recoveries::count_window(since, until, now);
-    if first > last {
-        return Ok(InboundCount::default());
-    }
-    let hours: Vec<Millis> = (hour_of(first)..=hour_of(last)).collect();
-    let pipes: Vec<Pipeline> = store
-        .keys
-        .all()
-        .map(|keys| {
-            let mut pipe = redis::pipe();
-            for hour in &hours {
-                pipe.hgetall(keys.inbound_counts(*hour, source));
-            }
-            pipe
-        })
-        .collect();
-    let hashes: Vec<Vec<HashMap<String, u64>>> = store.every_partition(Sent::Read, &pipes).await?;
+    let fields = read_minutes(store, first, last, |keys, hour| {
+        keys.inbound_counts(hour, source)
+    })
+    .await?;
     let mut sum = InboundCount::default();
-    for partition in hashes {
-        for (hour, hash) in hours.iter().zip(partition) {
-            for (field, n) in hash {
-                let Some((minute, letter)) =
-                    field.len().checked_sub(1).map(|at| field.split_at(at))
-                else {
-                    continue;
-                };
-                let Ok(minute) = minute.parse::<Millis>() else {
-                    continue;
-                };
-                if !(first..=last).contains(&(hour * HOUR_MS + minute * MINUTE_MS)) {
-                    continue;
-                }
-                match letter {
-                    "n" => sum.new += n,
-                    "r" => sum.replays += n,
-                    _ => {}
-                }
-            }
+    for field in fields {
+        match field.letter {
+            'n' => sum.new += field.n,
+            'r' => sum.replays += field.n,
+            _ => {}
         }
     }
     Ok(sum)
@@ -149,6 +117,7 @@ pub(super) async fn get(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::counts::MINUTE_MS;
 
     const T0: Millis = 1_764_460_800_000; // an hour's start
 
