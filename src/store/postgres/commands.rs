@@ -5,27 +5,22 @@
 //!
 //! Claims take due messages with `FOR UPDATE SKIP LOCKED`: processes sharing the database
 //! never wait for each other's claims, and never lease one message twice. A move in an
-//! ordering key's queue runs under that key's lock (`locks.rs`).
-
-use std::collections::BTreeMap;
+//! ordering key's queue runs under that key's lock (`locks.rs`). Completions, which are
+//! group-committed, are in `complete.rs`.
 
 use deadpool_postgres::{Client, Transaction};
-use futures_util::FutureExt;
-use futures_util::future::BoxFuture;
 use tokio_postgres::error::SqlState;
 
-use super::batch::Committed;
 use super::days::{Days, end_day};
 use super::error::{Db, column, corrupt, db_error};
 use super::listen::CHANNEL;
-use super::locks::{Lock, lock, lock_all};
+use super::locks::{Lock, lock};
 use super::{DB_NOW_MS, NOT_GONE};
 use crate::clock::Millis;
-use crate::store::counts::{self, Tally};
-use crate::store::lifecycle::{self, Effect, Lifetimes, QueueMove, Snapshot};
+use crate::store::lifecycle::{self, Effect, QueueMove, Snapshot};
 use crate::store::{
-    ANSWER_BODY_ROWS, Completion, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage,
-    ResendEffect, ResendMark, StoreError,
+    ANSWER_BODY_ROWS, HISTORY_TAIL, HistoryEntry, Lease, MessageState, NewMessage, ResendEffect,
+    ResendMark, StoreError,
 };
 
 /// The columns [`row_from`] reads, from `messages m`.
@@ -68,7 +63,7 @@ fn row_from(row: &tokio_postgres::Row) -> Result<Row, StoreError> {
 }
 
 /// Reads message `id` (not gone) and locks its row until the transaction ends.
-async fn read_row(tx: &Transaction<'_>, id: &str) -> Result<Option<Row>, StoreError> {
+pub(super) async fn read_row(tx: &Transaction<'_>, id: &str) -> Result<Option<Row>, StoreError> {
     let statement = tx
         .prepare_cached(&format!(
             "SELECT {ROW_COLUMNS} FROM messages m WHERE m.id = $1 AND {NOT_GONE} FOR UPDATE"
@@ -496,174 +491,6 @@ fn unless_moved(
         Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => Ok(None),
         Err(e) => Err(db_error(e)),
     }
-}
-
-/// One completion waiting for its batch (`batch.rs`).
-pub(super) struct Completing {
-    pub lease: Lease,
-    pub attempt: HistoryEntry,
-    pub completion: Completion,
-    pub now: Millis,
-    pub lifetimes: Lifetimes,
-}
-
-/// [`complete_batch`] as the batcher runs it.
-pub(super) fn run_completions<'a>(
-    client: &'a mut Client,
-    days: &'a Days,
-    batch: &'a [Completing],
-) -> BoxFuture<'a, Result<Committed<bool>, StoreError>> {
-    complete_batch(client, days, batch).boxed()
-}
-
-/// Applies store::lifecycle::complete to each of `batch`, in one transaction. The ordering
-/// keys' locks come first, all in one order (`locks.rs`), then each row's. A completion that
-/// fails (a day partition dropped under it, say) would abort the others: the batch is then
-/// rolled back and each completion runs in a transaction of its own, failing alone.
-async fn complete_batch(
-    client: &mut Client,
-    days: &Days,
-    batch: &[Completing],
-) -> Result<Committed<bool>, StoreError> {
-    let tx = client.transaction().await.db()?;
-    let keys: Vec<(Lock, &str)> = batch
-        .iter()
-        .map(|c| (Lock::OrderingKey, c.lease.message.ordering_key.as_str()))
-        .collect();
-    lock_all(&tx, &keys).await?;
-    let mut outcomes = Vec::with_capacity(batch.len());
-    let mut failed = None;
-    for completing in batch {
-        match complete_locked(&tx, days, completing).await {
-            Ok(done) => outcomes.push(Ok(done)),
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
-        }
-    }
-    if failed.is_none()
-        && let Err(e) = count_completions(&tx, batch, &outcomes).await
-    {
-        failed = Some(e);
-    }
-    if let Some(e) = failed {
-        tracing::debug!(error = %e, completions = batch.len(), "a batch of completions failed; completing one by one");
-        tx.rollback().await.db()?;
-        let mut outcomes = Vec::with_capacity(batch.len());
-        for completing in batch {
-            outcomes.push(complete(client, days, completing).await);
-        }
-        return Ok(Committed {
-            outcomes,
-            one_by_one: true,
-        });
-    }
-    tx.commit().await.db()?;
-    Ok(Committed {
-        outcomes,
-        one_by_one: false,
-    })
-}
-
-/// Applies store::lifecycle::complete in a transaction of its own.
-async fn complete(
-    client: &mut Client,
-    days: &Days,
-    completing: &Completing,
-) -> Result<bool, StoreError> {
-    let tx = client.transaction().await.db()?;
-    // The key's lock before the row's, as every transaction takes them (locks.rs).
-    lock(
-        &tx,
-        Lock::OrderingKey,
-        &completing.lease.message.ordering_key,
-    )
-    .await?;
-    let done = complete_locked(&tx, days, completing).await?;
-    if done {
-        count_completions(&tx, std::slice::from_ref(completing), &[Ok(true)]).await?;
-        tx.commit().await.db()?;
-    }
-    Ok(done)
-}
-
-/// Applies store::lifecycle::complete; the caller holds the ordering key's lock.
-async fn complete_locked(
-    tx: &Transaction<'_>,
-    days: &Days,
-    completing: &Completing,
-) -> Result<bool, StoreError> {
-    let lease = &completing.lease;
-    let id = lease.message.id.as_str();
-    let Some(row) = read_row(tx, id).await? else {
-        return Ok(false);
-    };
-    let Some(effect) = lifecycle::complete(
-        &row.snapshot,
-        lease.token,
-        completing.attempt.clone(),
-        completing.completion,
-        completing.now,
-        completing.lifetimes,
-    ) else {
-        return Ok(false);
-    };
-    apply(tx, days, id, &row, effect).await?;
-    Ok(true)
-}
-
-/// Adds the recorded completions of `batch` (those whose outcome is `true`) to their minutes'
-/// counts. Last in the transaction, so the counts' row locks are held only until the commit,
-/// and in one statement in the order of their keys, so two batches counting into the same
-/// rows wait for each other in one order, never in a circle.
-async fn count_completions(
-    tx: &Transaction<'_>,
-    batch: &[Completing],
-    outcomes: &[Result<bool, StoreError>],
-) -> Result<(), StoreError> {
-    let mut tallies: BTreeMap<(Millis, i16), Tally> = BTreeMap::new();
-    for (completing, outcome) in batch.iter().zip(outcomes) {
-        if matches!(outcome, Ok(true)) {
-            let key = (
-                counts::minute_of(completing.now),
-                i16::from(completing.lease.message.id.partition()),
-            );
-            let tally = Tally::of(completing.completion);
-            tallies
-                .entry(key)
-                .and_modify(|t| *t = t.plus(tally))
-                .or_insert(tally);
-        }
-    }
-    if tallies.is_empty() {
-        return Ok(());
-    }
-    let n = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-    let minutes: Vec<Millis> = tallies.keys().map(|k| k.0).collect();
-    let slots: Vec<i16> = tallies.keys().map(|k| k.1).collect();
-    let deliveries: Vec<i64> = tallies.values().map(|t| n(t.deliveries)).collect();
-    let failures: Vec<i64> = tallies.values().map(|t| n(t.failures)).collect();
-    let dead: Vec<i64> = tallies.values().map(|t| n(t.dead)).collect();
-    let statement = tx
-        .prepare_cached(
-            "INSERT INTO delivery_counts (minute, slot, deliveries, failures, dead) \
-             SELECT * FROM unnest($1::int8[], $2::int2[], $3::int8[], $4::int8[], $5::int8[]) \
-             AS c (minute, slot, deliveries, failures, dead) ORDER BY minute, slot \
-             ON CONFLICT (minute, slot) DO UPDATE SET \
-             deliveries = delivery_counts.deliveries + excluded.deliveries, \
-             failures = delivery_counts.failures + excluded.failures, \
-             dead = delivery_counts.dead + excluded.dead",
-        )
-        .await
-        .db()?;
-    tx.execute(
-        &statement,
-        &[&minutes, &slots, &deliveries, &failures, &dead],
-    )
-    .await
-    .db()?;
-    Ok(())
 }
 
 /// Applies store::lifecycle::release.

@@ -32,7 +32,8 @@
 //! | `durability.rs` | the start-up check of `fsync`, `synchronous_commit` and the synchronous standby |
 //! | `migrate.rs`, `migrations/` | the layout version and the SQL that builds each layout |
 //! | `accept_set.rs` | a batch of accepts read, decided and written as sets (three statements) |
-//! | `accept.rs`, `commands.rs` | the lifecycle transactions: each reads, asks its `store::lifecycle` rule, applies the effect; an accept batch one by one in savepoints when the set write is refused; completions group-committed |
+//! | `accept.rs`, `commands.rs` | the lifecycle transactions: each reads, asks its `store::lifecycle` rule, applies the effect; an accept batch one by one in savepoints when the set write is refused |
+//! | `complete.rs` | completions, group-committed, and their attempts-per-minute counts |
 //! | `batch.rs` | group commit: concurrent accepts, and concurrent completions, share one transaction |
 //! | `listen.rs` | the wake-up across processes: `pg_notify` on commit, one `LISTEN` connection per dispatching store |
 //! | `locks.rs` | the advisory locks of keys that may have no row yet, and of ordering keys' queues |
@@ -45,6 +46,7 @@ mod accept;
 mod accept_set;
 mod batch;
 mod commands;
+mod complete;
 mod connection;
 mod days;
 mod durability;
@@ -73,7 +75,7 @@ pub use url::{check_url, redacted_url};
 use self::accept::run_accepts;
 use self::accept_set::Queued;
 use self::batch::Batcher;
-use self::commands::Completing;
+use self::complete::Completing;
 use self::connection::Database;
 use self::days::{Days, end_day};
 use self::listen::Listener;
@@ -198,7 +200,7 @@ impl PostgresStore {
                 "completions",
                 Arc::clone(&db),
                 Arc::clone(&days),
-                commands::run_completions,
+                complete::run_completions,
             ),
             db,
             listen: options.listen,
