@@ -1,18 +1,22 @@
 //! Completions, group-committed (`batch.rs`): concurrent completions share one transaction.
-//! Each reads its message under the row lock (`commands::read_row`), asks
-//! `store::lifecycle::complete` and applies the effect (`commands::apply`); the batch's
-//! attempts-per-minute counts are added last, in one statement.
+//! One statement reads every message of the batch under its row lock, `store::lifecycle::complete`
+//! decides each in order, and the effects are written as sets (`apply_set.rs`); the batch's
+//! attempts-per-minute counts are added last, in one statement. A batch naming one message
+//! twice reads and writes one completion at a time (`effects.rs`), so the second sees the
+//! first.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use deadpool_postgres::{Client, Transaction};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 
 use super::batch::Committed;
-use super::commands::{apply, read_row};
+use super::NOT_GONE;
+use super::apply_set::{Decided, apply_set};
 use super::days::Days;
-use super::error::Db;
+use super::effects::{ROW_COLUMNS, Row, apply, read_row, row_from};
+use super::error::{Db, column};
 use super::locks::{Lock, lock, lock_all};
 use crate::clock::Millis;
 use crate::store::counts::{self, Tally};
@@ -52,17 +56,14 @@ async fn complete_batch(
         .map(|c| (Lock::OrderingKey, c.lease.message.ordering_key.as_str()))
         .collect();
     lock_all(&tx, &keys).await?;
-    let mut outcomes = Vec::with_capacity(batch.len());
     let mut failed = None;
-    for completing in batch {
-        match complete_locked(&tx, days, completing).await {
-            Ok(done) => outcomes.push(Ok(done)),
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
+    let outcomes = match complete_all_locked(&tx, days, batch).await {
+        Ok(outcomes) => outcomes,
+        Err(e) => {
+            failed = Some(e);
+            Vec::new()
         }
-    }
+    };
     if failed.is_none()
         && let Err(e) = count_completions(&tx, batch, &outcomes).await
     {
@@ -107,6 +108,61 @@ async fn complete(
         tx.commit().await.db()?;
     }
     Ok(done)
+}
+
+/// Applies store::lifecycle::complete to each of `batch`, in order; the caller holds their
+/// ordering keys' locks. One completion's outcome each.
+async fn complete_all_locked(
+    tx: &Transaction<'_>,
+    days: &Days,
+    batch: &[Completing],
+) -> Result<Vec<Result<bool, StoreError>>, StoreError> {
+    let ids: Vec<&str> = batch.iter().map(|c| c.lease.message.id.as_str()).collect();
+    let distinct: HashSet<&str> = ids.iter().copied().collect();
+    if distinct.len() < ids.len() {
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for completing in batch {
+            outcomes.push(Ok(complete_locked(tx, days, completing).await?));
+        }
+        return Ok(outcomes);
+    }
+    // In id order, the order every batch locks its rows in.
+    let statement = tx
+        .prepare_cached(&format!(
+            "SELECT {ROW_COLUMNS}, m.id FROM messages m \
+             WHERE m.id = ANY($1::text[]) AND {NOT_GONE} ORDER BY m.id FOR UPDATE"
+        ))
+        .await
+        .db()?;
+    let mut rows: HashMap<String, Row> = HashMap::with_capacity(batch.len());
+    for found in tx.query(&statement, &[&ids]).await.db()? {
+        rows.insert(column(&found, 12)?, row_from(&found)?);
+    }
+    let mut outcomes = Vec::with_capacity(batch.len());
+    let mut decided = Vec::with_capacity(batch.len());
+    for completing in batch {
+        let lease = &completing.lease;
+        let Some(row) = rows.remove(lease.message.id.as_str()) else {
+            outcomes.push(Ok(false));
+            continue;
+        };
+        let Some(effect) = lifecycle::complete(
+            &row.snapshot,
+            lease.token,
+            completing.attempt.clone(),
+            completing.completion,
+            completing.now,
+            completing.lifetimes,
+        ) else {
+            outcomes.push(Ok(false));
+            continue;
+        };
+        let id = lease.message.id.as_str().to_string();
+        outcomes.push(Ok(true));
+        decided.push(Decided { id, row, effect });
+    }
+    apply_set(tx, days, decided).await?;
+    Ok(outcomes)
 }
 
 /// Applies store::lifecycle::complete; the caller holds the ordering key's lock.

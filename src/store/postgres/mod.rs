@@ -45,11 +45,13 @@
 mod accept;
 mod accept_set;
 mod batch;
+mod apply_set;
 mod commands;
 mod complete;
 mod connection;
 mod days;
 mod durability;
+mod effects;
 mod error;
 mod listen;
 mod locks;
