@@ -2,7 +2,8 @@
 //! servers (`support/postgres.rs`): work accepted through one process wakes the dispatcher of
 //! another at once (LISTEN/NOTIFY), a lost listening connection is replaced, an idle
 //! dispatcher costs the database next to nothing (measured), and concurrent accepts are
-//! group-committed, each in a savepoint, durable before any answer.
+//! group-committed, each in a savepoint, durable before any answer; completions batched together
+//! are written as sets and record each lease once.
 
 #[path = "support/postgres.rs"]
 #[allow(dead_code)]
@@ -635,4 +636,139 @@ async fn concurrent_completions_share_commits_and_each_is_recorded() {
         (depth.pending, depth.in_flight, depth.dead),
         (0, 0, N as u64 / 2)
     );
+}
+
+/// Completes every lease of `leases` from its own task, each `times` times at once; answers
+/// how many completions of each lease were recorded.
+async fn complete_concurrently(
+    store: &Arc<PostgresStore>,
+    leases: Vec<callbackd::store::Lease>,
+    times: usize,
+    at: Millis,
+) -> Vec<usize> {
+    use callbackd::store::{Completion, DeliveryAttempt};
+    let tasks: Vec<Vec<JoinHandle<bool>>> = leases
+        .into_iter()
+        .map(|lease| {
+            (0..times)
+                .map(|_| {
+                    let store = Arc::clone(store);
+                    let lease = lease.clone();
+                    tokio::spawn(async move {
+                        let attempt = DeliveryAttempt {
+                            attempt: 1,
+                            at,
+                            status: Some(204),
+                            error: None,
+                            latency_ms: Some(1),
+                            response: None,
+                        };
+                        store
+                            .complete(&lease, attempt, Completion::Delivered, at)
+                            .await
+                            .expect("completes")
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    let mut recorded = Vec::new();
+    for copies in tasks {
+        let mut n = 0;
+        for copy in copies {
+            n += usize::from(copy.await.expect("joins"));
+        }
+        recorded.push(n);
+    }
+    recorded
+}
+
+/// Completions written as one set (`apply_set.rs`) finish each message into its day with its
+/// history, and make the next message of each ordering key due; a batch that names one lease
+/// twice records it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_batched_together_move_their_queues_and_record_each_once() {
+    const KEYS: usize = 32;
+    let url = PostgresServer::shared().fresh_database();
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    let t0 = now();
+    for round in 0..2 {
+        for k in 0..KEYS {
+            let req = notification_request(&format!("m-{round}-{k}"), &format!("k-{k}"), t0);
+            store.accept(req, t0).await.expect("accepts");
+        }
+    }
+    let heads = store
+        .claim_due(t0 + 1, 2 * KEYS, 60_000)
+        .await
+        .expect("claims");
+    assert_eq!(heads.len(), KEYS, "only the head of each key is due");
+    let before = store.completion_commits();
+    let recorded = complete_concurrently(&store, heads.clone(), 1, t0 + 2).await;
+    assert!(recorded.iter().all(|&n| n == 1), "{recorded:?}");
+    let commits = store.completion_commits() - before;
+    assert!(
+        commits < KEYS as u64,
+        "{KEYS} completions, {commits} commits"
+    );
+    for lease in &heads {
+        let record = store.get(&lease.message.id).await.expect("reads");
+        let record = record.expect("kept for its retention");
+        assert_eq!(record.state, callbackd::store::MessageState::Delivered);
+        assert_eq!((record.history.len(), record.history_total), (1, 1));
+    }
+    // The second message of every key became its head, due when the first finished.
+    let behind = store
+        .claim_due(t0 + 2, 2 * KEYS, 60_000)
+        .await
+        .expect("claims");
+    assert_eq!(behind.len(), KEYS, "each key's next message is due");
+    let recorded = complete_concurrently(&store, behind.clone(), 3, t0 + 3).await;
+    assert!(recorded.iter().all(|&n| n == 1), "{recorded:?}");
+    for lease in &behind {
+        let record = store.get(&lease.message.id).await.expect("reads");
+        let record = record.expect("kept for its retention");
+        assert_eq!((record.history.len(), record.history_total), (1, 1));
+    }
+    let depth = store.depth().await.expect("depth");
+    assert_eq!((depth.pending, depth.in_flight), (0, 0));
+}
+
+/// A worker whose lease ran out and the worker that took the message over complete it at
+/// once, copies of each in whatever batches form: the taker's is recorded, the stale one's
+/// never, also when a batch holds both with the stale one first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_and_a_current_lease_completed_together_record_only_the_current() {
+    const KEYS: usize = 32;
+    let url = PostgresServer::shared().fresh_database();
+    let store = migrated(&url, &PostgresOptions::default()).await;
+    let store = Arc::new(store.with_caller_clock_leases());
+    let t0 = now();
+    for k in 0..KEYS {
+        let req = notification_request(&format!("s-{k}"), &format!("k-{k}"), t0);
+        store.accept(req, t0).await.expect("accepts");
+    }
+    let stale = store.claim_due(t0 + 1, KEYS, 10).await.expect("claims");
+    let current = store
+        .claim_due(t0 + 20, KEYS, 60_000)
+        .await
+        .expect("claims");
+    assert_eq!((stale.len(), current.len()), (KEYS, KEYS), "taken over");
+    let mut both = Vec::new();
+    for (old, new) in stale.iter().zip(&current) {
+        assert_eq!(old.message.id, new.message.id);
+        both.extend([old.clone(), new.clone()]);
+    }
+    let recorded = complete_concurrently(&store, both, 3, t0 + 21).await;
+    let (olds, news): (Vec<_>, Vec<_>) = recorded.chunks(2).map(|c| (c[0], c[1])).unzip();
+    assert!(
+        olds.iter().all(|&n| n == 0),
+        "stale leases recorded: {olds:?}"
+    );
+    assert!(news.iter().all(|&n| n == 1), "current leases: {news:?}");
+    for lease in &current {
+        let record = store.get(&lease.message.id).await.expect("reads");
+        let record = record.expect("kept for its retention");
+        assert_eq!((record.history.len(), record.history_total), (1, 1));
+    }
 }

@@ -13,8 +13,8 @@ use futures_util::future::BoxFuture;
 
 use super::accept_set::{Arrivals, Queued, accept_as_sets, count_arrival, write_arrivals};
 use super::batch::Committed;
-use super::effects::move_in_queue;
 use super::days::{Days, end_day};
+use super::effects::move_in_queue;
 use super::error::{Db, column, corrupt};
 use super::locks::{Lock, lock_all};
 use crate::clock::Millis;

@@ -61,7 +61,10 @@ pub(super) async fn apply_set(
 /// Takes the locks of the ordering keys whose queue an effect of `decided` moves in, for a
 /// caller that has not: a claim, whose leases that ran out past their deadline leave their
 /// queue.
-pub(super) async fn lock_queues(tx: &Transaction<'_>, decided: &[Decided]) -> Result<(), StoreError> {
+pub(super) async fn lock_queues(
+    tx: &Transaction<'_>,
+    decided: &[Decided],
+) -> Result<(), StoreError> {
     let keys: Vec<(Lock, &str)> = decided
         .iter()
         .filter(|d| d.moves_in_queue())
@@ -119,7 +122,8 @@ impl MessageRows {
             rows.days_before.push(row.end_day);
             rows.days_after.push(day);
             rows.states.push(after.state.as_str());
-            rows.tokens.push(i64::try_from(after.token).map_err(corrupt)?);
+            rows.tokens
+                .push(i64::try_from(after.token).map_err(corrupt)?);
             rows.attempts.push(to_i32(after.attempts)?);
             rows.backoff_from.push(to_i32(after.backoff_from)?);
             rows.deadlines.push(after.deadline);
@@ -254,7 +258,9 @@ async fn append_history(
             .get(&d.id)
             .ok_or_else(|| corrupt(format!("message {} was not updated", d.id)))?;
         ids.push(d.id.as_str());
-        days.push(end_day(d.effect.changes.applied_to(&d.row.snapshot).ends_at));
+        days.push(end_day(
+            d.effect.changes.applied_to(&d.row.snapshot).ends_at,
+        ));
         seqs.push(seq);
         entries.push(serde_json::to_string(entry).map_err(corrupt)?);
     }

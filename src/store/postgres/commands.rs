@@ -211,4 +211,3 @@ pub(super) async fn resend(
     }
     Ok(outcome)
 }
-

@@ -1,19 +1,17 @@
 //! Completions, group-committed (`batch.rs`): concurrent completions share one transaction.
 //! One statement reads every message of the batch under its row lock, `store::lifecycle::complete`
 //! decides each in order, and the effects are written as sets (`apply_set.rs`); the batch's
-//! attempts-per-minute counts are added last, in one statement. A batch naming one message
-//! twice reads and writes one completion at a time (`effects.rs`), so the second sees the
-//! first.
+//! attempts-per-minute counts are added last, in one statement.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use deadpool_postgres::{Client, Transaction};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 
-use super::batch::Committed;
 use super::NOT_GONE;
 use super::apply_set::{Decided, apply_set};
+use super::batch::Committed;
 use super::days::Days;
 use super::effects::{ROW_COLUMNS, Row, apply, read_row, row_from};
 use super::error::{Db, column};
@@ -118,14 +116,6 @@ async fn complete_all_locked(
     batch: &[Completing],
 ) -> Result<Vec<Result<bool, StoreError>>, StoreError> {
     let ids: Vec<&str> = batch.iter().map(|c| c.lease.message.id.as_str()).collect();
-    let distinct: HashSet<&str> = ids.iter().copied().collect();
-    if distinct.len() < ids.len() {
-        let mut outcomes = Vec::with_capacity(batch.len());
-        for completing in batch {
-            outcomes.push(Ok(complete_locked(tx, days, completing).await?));
-        }
-        return Ok(outcomes);
-    }
     // In id order, the order every batch locks its rows in.
     let statement = tx
         .prepare_cached(&format!(
@@ -142,22 +132,24 @@ async fn complete_all_locked(
     let mut decided = Vec::with_capacity(batch.len());
     for completing in batch {
         let lease = &completing.lease;
-        let Some(row) = rows.remove(lease.message.id.as_str()) else {
+        let id = lease.message.id.as_str();
+        let effect = rows.get(id).and_then(|row| {
+            lifecycle::complete(
+                &row.snapshot,
+                lease.token,
+                completing.attempt.clone(),
+                completing.completion,
+                completing.now,
+                completing.lifetimes,
+            )
+        });
+        // A message's first effect takes its row: a later completion of it in the batch
+        // finds it gone, as it would find it no longer held one at a time.
+        let Some((effect, row)) = effect.and_then(|effect| Some((effect, rows.remove(id)?))) else {
             outcomes.push(Ok(false));
             continue;
         };
-        let Some(effect) = lifecycle::complete(
-            &row.snapshot,
-            lease.token,
-            completing.attempt.clone(),
-            completing.completion,
-            completing.now,
-            completing.lifetimes,
-        ) else {
-            outcomes.push(Ok(false));
-            continue;
-        };
-        let id = lease.message.id.as_str().to_string();
+        let id = id.to_string();
         outcomes.push(Ok(true));
         decided.push(Decided { id, row, effect });
     }

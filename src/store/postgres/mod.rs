@@ -44,8 +44,8 @@
 
 mod accept;
 mod accept_set;
-mod batch;
 mod apply_set;
+mod batch;
 mod commands;
 mod complete;
 mod connection;
