@@ -7,8 +7,16 @@
 //!
 //! A set is written only where its effects cannot see each other: each message once, each
 //! ordering key's queue moved once, no message joining a queue (only a resend, which writes
-//! alone). Any other batch is written one effect at a time (`effects::apply`), in order, as
-//! before; so is the rare history long enough to trim (`effects::tidy_history`).
+//! alone). And only from the live partition, which is where every message a claim or a
+//! completion changes is: each statement names it (`end_day = 0`), so the planner prunes
+//! every day partition away rather than joining the set with all of them. Any other batch is
+//! written one effect at a time (`effects::apply`), in order, as before; so is the rare
+//! history long enough to trim (`effects::tidy_history`).
+//!
+//! Each statement finds its rows by `id = ANY(<the set's ids>)` on the primary key before
+//! joining them with the set, so its plan stays an index lookup whatever the statistics say
+//! of the live partition's size (a hash join with a scan of every live message would be as
+//! cheap while the table is small, and not later).
 
 use std::collections::{HashMap, HashSet};
 
@@ -76,13 +84,14 @@ pub(super) async fn lock_queues(
     lock_all(tx, &keys).await
 }
 
-/// Whether no effect of `decided` could see another's write: each message once, each queue
-/// moved once, no message joining one.
+/// Whether no effect of `decided` could see another's write (each message once, each queue
+/// moved once, no message joining one), and every message is in the live partition.
 fn writable_as_set(decided: &[Decided]) -> bool {
     let mut ids = HashSet::with_capacity(decided.len());
     let mut keys = HashSet::new();
     decided.iter().all(|d| {
-        ids.insert(d.id.as_str())
+        d.row.end_day == 0
+            && ids.insert(d.id.as_str())
             && !matches!(d.effect.queue, QueueMove::Join { .. })
             && (!d.moves_in_queue() || keys.insert(d.row.ordering_key.as_str()))
     })
@@ -92,7 +101,6 @@ fn writable_as_set(decided: &[Decided]) -> bool {
 #[derive(Default)]
 struct MessageRows {
     ids: Vec<String>,
-    days_before: Vec<i32>,
     days_after: Vec<i32>,
     states: Vec<&'static str>,
     tokens: Vec<i64>,
@@ -119,7 +127,6 @@ impl MessageRows {
                 return Err(missing_day(day));
             }
             rows.ids.push(id.clone());
-            rows.days_before.push(row.end_day);
             rows.days_after.push(day);
             rows.states.push(after.state.as_str());
             rows.tokens
@@ -153,12 +160,11 @@ impl MessageRows {
                  due_at = u.due_at, lease_until = u.lease_until, resume_at = u.resume_at, \
                  deliver_again = u.again, ends_at = u.ends_at, \
                  history_total = m.history_total + u.recorded \
-                 FROM unnest($1::text[], $2::int4[], $3::int4[], $4::text[], $5::int8[], \
-                 $6::int4[], $7::int4[], $8::int8[], $9::int8[], $10::int8[], $11::int8[], \
-                 $12::bool[], $13::int8[], $14::int8[]) AS u (id, day_before, day_after, state, \
-                 token, attempts, backoff_from, deadline, due_at, lease_until, resume_at, again, \
-                 ends_at, recorded) \
-                 WHERE m.id = u.id AND m.end_day = u.day_before \
+                 FROM unnest($1::text[], $2::int4[], $3::text[], $4::int8[], $5::int4[], \
+                 $6::int4[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::bool[], \
+                 $12::int8[], $13::int8[]) AS u (id, day_after, state, token, attempts, \
+                 backoff_from, deadline, due_at, lease_until, resume_at, again, ends_at, recorded) \
+                 WHERE m.end_day = 0 AND m.id = ANY($1::text[]) AND m.id = u.id \
                  RETURNING m.id, m.history_total",
             )
             .await
@@ -168,7 +174,6 @@ impl MessageRows {
                 &statement,
                 &[
                     &self.ids,
-                    &self.days_before,
                     &self.days_after,
                     &self.states,
                     &self.tokens,
@@ -209,16 +214,15 @@ impl MessageRows {
     }
 }
 
-/// Moves the history of each message that changed partition along with it.
+/// Moves the history of each message that changed partition along with it (out of the live
+/// partition, as every message of a set is).
 async fn move_history(tx: &Transaction<'_>, decided: &[Decided]) -> Result<(), StoreError> {
     let mut ids = Vec::new();
-    let mut before = Vec::new();
     let mut after = Vec::new();
     for d in decided {
         let day = end_day(d.effect.changes.applied_to(&d.row.snapshot).ends_at);
         if day != d.row.end_day {
             ids.push(d.id.as_str());
-            before.push(d.row.end_day);
             after.push(day);
         }
     }
@@ -228,12 +232,12 @@ async fn move_history(tx: &Transaction<'_>, decided: &[Decided]) -> Result<(), S
     let statement = tx
         .prepare_cached(
             "UPDATE history h SET end_day = u.day_after \
-             FROM unnest($1::text[], $2::int4[], $3::int4[]) AS u (id, day_before, day_after) \
-             WHERE h.message_id = u.id AND h.end_day = u.day_before",
+             FROM unnest($1::text[], $2::int4[]) AS u (id, day_after) \
+             WHERE h.end_day = 0 AND h.message_id = ANY($1::text[]) AND h.message_id = u.id",
         )
         .await
         .db()?;
-    tx.execute(&statement, &[&ids, &before, &after])
+    tx.execute(&statement, &[&ids, &after])
         .await
         .db()
         .map(|_| ())

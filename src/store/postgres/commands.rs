@@ -74,8 +74,7 @@ async fn claim_once(
     let lease_until = lease_now.saturating_add(i64::try_from(lease_ms).unwrap_or(i64::MAX));
     let expired = tx
         .prepare_cached(&format!(
-            "SELECT {ROW_COLUMNS}, m.id FROM messages m \
-             WHERE m.end_day = 0 AND m.lease_until <= $1 \
+            "SELECT {ROW_COLUMNS}, m.id FROM messages_live m WHERE m.lease_until <= $1 \
              ORDER BY m.lease_until, m.id LIMIT $2 FOR UPDATE SKIP LOCKED"
         ))
         .await
@@ -97,8 +96,7 @@ async fn claim_once(
     apply_set(&tx, days, decided).await?;
     let due = tx
         .prepare_cached(&format!(
-            "SELECT {ROW_COLUMNS}, m.id, m.message_json FROM messages m \
-             WHERE m.end_day = 0 AND m.due_at <= $1 \
+            "SELECT {ROW_COLUMNS}, m.id, m.message_json FROM messages_live m WHERE m.due_at <= $1 \
              ORDER BY m.due_at, m.id LIMIT $2 FOR UPDATE SKIP LOCKED"
         ))
         .await

@@ -9,7 +9,6 @@ use deadpool_postgres::{Client, Transaction};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 
-use super::NOT_GONE;
 use super::apply_set::{Decided, apply_set};
 use super::batch::Committed;
 use super::days::Days;
@@ -116,11 +115,12 @@ async fn complete_all_locked(
     batch: &[Completing],
 ) -> Result<Vec<Result<bool, StoreError>>, StoreError> {
     let ids: Vec<&str> = batch.iter().map(|c| c.lease.message.id.as_str()).collect();
-    // In id order, the order every batch locks its rows in.
+    // Only the live partition: a message its lease still holds has work left. In id order,
+    // the order every batch locks its rows in.
     let statement = tx
         .prepare_cached(&format!(
-            "SELECT {ROW_COLUMNS}, m.id FROM messages m \
-             WHERE m.id = ANY($1::text[]) AND {NOT_GONE} ORDER BY m.id FOR UPDATE"
+            "SELECT {ROW_COLUMNS}, m.id FROM messages_live m \
+             WHERE m.id = ANY($1::text[]) ORDER BY m.id FOR UPDATE"
         ))
         .await
         .db()?;
