@@ -186,18 +186,24 @@ async fn complete_locked(
 /// counts. Last in the transaction, so the counts' row locks are held only until the commit,
 /// and in one statement in the order of their keys, so two batches counting into the same
 /// rows wait for each other in one order, never in a circle.
+///
+/// A batch counts into one slot of each minute, the partition of its first completion: a
+/// slot per completed message's partition made a batch of a few messages lock as many rows,
+/// and any two concurrent batches sharing one of them wait for each other's commit (its WAL
+/// flush). Reads sum the slots, so which slot a count lands in changes nothing else.
 async fn count_completions(
     tx: &Transaction<'_>,
     batch: &[Completing],
     outcomes: &[Result<bool, StoreError>],
 ) -> Result<(), StoreError> {
+    let Some(first) = batch.first() else {
+        return Ok(());
+    };
+    let slot = i16::from(first.lease.message.id.partition());
     let mut tallies: BTreeMap<(Millis, i16), Tally> = BTreeMap::new();
     for (completing, outcome) in batch.iter().zip(outcomes) {
         if matches!(outcome, Ok(true)) {
-            let key = (
-                counts::minute_of(completing.now),
-                i16::from(completing.lease.message.id.partition()),
-            );
+            let key = (counts::minute_of(completing.now), slot);
             let tally = Tally::of(completing.completion);
             tallies
                 .entry(key)
