@@ -46,6 +46,7 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     }
 
     memory::backlog(env, &stores[1], &target, report).await?;
+    memory::finished(env, &target, report).await?;
 
     // Store half of dispatching, no HTTP: 3 alternating rounds, median per side.
     let mut cycles: [Vec<f64>; 2] = [Vec::new(), Vec::new()];

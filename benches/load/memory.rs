@@ -1,12 +1,15 @@
 //! Phase 5's memory figures: Redis memory per accepted callback (the `used_memory` delta of
-//! the day-ahead backlog) and per dedupe key (sampled `MEMORY USAGE`, then the exact cost,
+//! the day-ahead backlog), per finished callback (accepted, claimed and completed with one
+//! attempt in its history, as a month of retention holds them; issue 28's figure), with what
+//! each kind of key costs, and per dedupe key (sampled `MEMORY USAGE`, then the exact cost,
 //! measured by deleting every dedupe key).
 
 use std::time::{Duration, Instant};
 
+use callbackd::clock::{Clock, SystemClock};
 use callbackd::store::redis::RedisStore;
 
-use crate::direct_store::bulk_accept;
+use crate::direct_store::{bulk_accept, store_cycle};
 use crate::{DAY_MS, Env, Report, rate};
 
 /// Fills `store` (db 1) with the backlog phase 5 measures against: `future_n` callbacks due
@@ -53,6 +56,134 @@ pub async fn backlog(
     Ok(())
 }
 
+/// The database the finished callbacks are measured in, alone.
+const FINISHED_DB: u8 = 2;
+/// Finished callbacks measured: the issue's 100k, fewer only if the plan's backlog is smaller.
+const FINISHED_N: u64 = 100_000;
+/// Keys of each kind whose `MEMORY USAGE` is sampled.
+const SAMPLE: usize = 500;
+
+/// Accepts callbacks due now into an empty database and claims and completes each with one
+/// delivery attempt: the `used_memory` delta per finished callback, and what each kind of key
+/// a finished callback leaves costs (`MEMORY USAGE`, encoding), so that a figure over its
+/// target says where the bytes are.
+pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<(), String> {
+    let n = FINISHED_N.min(env.plan.future_n);
+    eprintln!("  memory per finished callback: {n} accepted, claimed and completed");
+    let store = RedisStore::connect(
+        &env.redis.url_db(FINISHED_DB),
+        Duration::from_secs(10),
+        crate::DEDUPE_TTL_SECS,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    store
+        .upgrade(SystemClock.now_ms())
+        .await
+        .map_err(|e| e.to_string())?;
+    // Loads the scripts and the connection before anything is measured.
+    bulk_accept(&store, &format!("{}-fwarm", env.run_tag), 100, 0, target).await?;
+    store_cycle(&store, 100).await?;
+    let mem_before = env.redis.used_memory().await?;
+    let keys_before = env.redis.dbsize(FINISHED_DB).await?;
+    let (accepted, _) = bulk_accept(&store, &format!("{}-fin", env.run_tag), n, 0, target).await?;
+    let (_, finished) = store_cycle(&store, accepted).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mem_after = env.redis.used_memory().await?;
+    let keys_after = env.redis.dbsize(FINISHED_DB).await?;
+    let per = mem_after.saturating_sub(mem_before) as f64 / finished.max(1) as f64;
+    let keys_per = keys_after.saturating_sub(keys_before) as f64 / finished.max(1) as f64;
+    report.target(
+        format!(
+            "Redis memory per finished callback ({finished} accepted, claimed, completed; one attempt in its history; used_memory delta)"
+        ),
+        format!("{per:.0} B ({keys_per:.1} keys per callback)"),
+        "≤ 600 B",
+        Some(per <= 600.0),
+    );
+    let mut conn = env.redis.conn_db(FINISHED_DB).await?;
+    let mut kinds = Vec::new();
+    let mut sampled = 0.0;
+    for (kind, pattern) in [
+        ("message hash m:", "cb:*:m:*"),
+        ("history list a:", "cb:*:a:*"),
+        ("dedupe claim d:", "cb:*:d:*"),
+        ("per-transaction index ix:k:", "cb:*:ix:k:*"),
+    ] {
+        let keys = scan(&mut conn, pattern, SAMPLE).await?;
+        let Some(first) = keys.first() else {
+            continue;
+        };
+        let usages = memory_usage(&mut conn, &keys).await?;
+        let avg = usages.iter().sum::<u64>() as f64 / usages.len().max(1) as f64;
+        let encoding: String = redis::cmd("OBJECT")
+            .arg("ENCODING")
+            .arg(first.as_str())
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        sampled += avg;
+        kinds.push(format!("{kind} {avg:.0} B ({encoding})"));
+    }
+    report.row(
+        "Redis memory per finished callback, by key (MEMORY USAGE, a sample of each kind; the rest is the state index and expiry-bucket members and the keyspace and expires entries)",
+        format!(
+            "{}; rest {:.0} B",
+            kinds.join(", "),
+            (per - sampled).max(0.0)
+        ),
+    );
+    redis::cmd("FLUSHDB")
+        .query_async::<()>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Up to `limit` names of keys matching `pattern`.
+async fn scan(
+    conn: &mut redis::aio::MultiplexedConnection,
+    pattern: &str,
+    limit: usize,
+) -> Result<Vec<String>, String> {
+    let mut cursor: u64 = 0;
+    let mut keys: Vec<String> = Vec::new();
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 || keys.len() >= limit {
+            keys.truncate(limit);
+            return Ok(keys);
+        }
+    }
+}
+
+/// `MEMORY USAGE` of each of `keys` (every element counted, `SAMPLES 0`).
+async fn memory_usage(
+    conn: &mut redis::aio::MultiplexedConnection,
+    keys: &[impl AsRef<str>],
+) -> Result<Vec<u64>, String> {
+    let mut pipe = redis::pipe();
+    for k in keys {
+        pipe.cmd("MEMORY")
+            .arg("USAGE")
+            .arg(k.as_ref())
+            .arg("SAMPLES")
+            .arg(0);
+    }
+    let usages: Vec<Option<u64>> = pipe.query_async(conn).await.map_err(|e| e.to_string())?;
+    Ok(usages.into_iter().flatten().collect())
+}
+
 /// Runs after the backlog phase, on every dedupe key it left in db 1.
 pub async fn dedupe_keys(env: &Env, report: &mut Report) -> Result<(), String> {
     eprintln!("  measuring dedupe keys");
@@ -81,19 +212,8 @@ pub async fn dedupe_keys(env: &Env, report: &mut Report) -> Result<(), String> {
         .step_by((keys.len() / 1000).max(1))
         .take(1000)
         .collect();
-    let mut pipe = redis::pipe();
-    for k in &sample {
-        pipe.cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k.as_str())
-            .arg("SAMPLES")
-            .arg(0);
-    }
-    let usages: Vec<Option<u64>> = pipe
-        .query_async(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    let usage_total: u64 = usages.iter().flatten().sum();
+    let usages = memory_usage(&mut conn, &sample).await?;
+    let usage_total: u64 = usages.iter().sum();
     let usage_avg = usage_total as f64 / sample.len().max(1) as f64;
     let key_len = sample.iter().map(|k| k.len()).sum::<usize>() as f64 / sample.len().max(1) as f64;
     let mut value_len = 0usize;
