@@ -29,6 +29,9 @@ impl Pg {
         let mut settings = vec![("max_connections", "200"), ("autovacuum_naptime", "10s")];
         if statements {
             settings.push(("shared_preload_libraries", "pg_stat_statements"));
+            // Planning is counted too: a statement planned anew on every call (a custom plan)
+            // can cost the server more than running it.
+            settings.push(("pg_stat_statements.track_planning", "on"));
         }
         let server = PostgresServer::try_start_with(&settings)?;
         if statements {
@@ -108,24 +111,28 @@ impl Pg {
         let out = self
             .server
             .try_psql(&format!(
-                "SELECT s.calls || E'\\t' || s.total_exec_time || E'\\t' || \
-                 regexp_replace(left(s.query, 70), '\\s+', ' ', 'g') \
+                "SELECT s.calls || E'\\t' || s.total_exec_time || E'\\t' || s.plans || E'\\t' || \
+                 s.total_plan_time || E'\\t' || regexp_replace(left(s.query, 70), '\\s+', ' ', 'g') \
                  FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
-                 WHERE d.datname = '{db}' ORDER BY s.total_exec_time DESC LIMIT 8"
+                 WHERE d.datname = '{db}' ORDER BY s.total_exec_time + s.total_plan_time DESC LIMIT 8"
             ))
             .ok()?;
         let n = n.max(1) as f64;
         let parts: Vec<String> = out
             .lines()
             .filter_map(|line| {
-                let mut f = line.splitn(3, '\t');
+                let mut f = line.splitn(5, '\t');
                 let calls: f64 = f.next()?.parse().ok()?;
                 let ms: f64 = f.next()?.parse().ok()?;
+                let plans: f64 = f.next()?.parse().ok()?;
+                let plan_ms: f64 = f.next()?.parse().ok()?;
                 let query = f.next()?.replace('|', "¦").replace('`', "'");
                 Some(format!(
-                    "`{query}` {:.2}× {:.0} µs",
+                    "`{query}` {:.2}× {:.0} µs, planned {:.2}× {:.0} µs",
                     calls / n,
-                    ms * 1e3 / n
+                    ms * 1e3 / n,
+                    plans / n,
+                    plan_ms * 1e3 / n
                 ))
             })
             .collect();

@@ -141,7 +141,7 @@ async fn ingest(env: &Env, pg: &Pg, report: &mut Report) -> Result<f64, String> 
     );
     if let Some(top) = pg.top_statements("ingest", ingest.ok) {
         report.row(
-            "PostgreSQL ingest: statements per accepted callback (pg_stat_statements: calls, execution µs; biggest first)",
+            "PostgreSQL ingest: statements per accepted callback (pg_stat_statements: calls and execution µs, plans and planning µs; biggest first)",
             top,
         );
     }
@@ -291,7 +291,7 @@ async fn dispatch(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String>
     }
     if let Some(top) = pg.top_statements("dispatch", got as u64) {
         report.row(
-            "PostgreSQL dispatch drain: statements per delivery (pg_stat_statements: calls, execution µs; biggest first)",
+            "PostgreSQL dispatch drain: statements per delivery (pg_stat_statements: calls and execution µs, plans and planning µs; biggest first)",
             top,
         );
     }
