@@ -66,6 +66,23 @@ pub(super) async fn apply_set(
     leave_queues(tx, &decided).await
 }
 
+/// Makes the rest of the transaction plan each statement once, by its indexes: a claim or a
+/// batch of completions runs the same few statements thousands of times a second, and their
+/// arrays (`id = ANY($1)`, `unnest`) keep PostgreSQL's plan cache choosing a plan of its own
+/// for every call (a custom plan knows the array's length), which cost the server about as
+/// much as running them (BENCHMARKS.md, "Completions and claims as sets"). A generic plan is
+/// kept per connection until the table's statistics change; built while a table looked empty,
+/// it would scan and sort it, so it is built with sequential scans priced out: every statement
+/// of these transactions reads by the primary key, the due or lease index, or the queue's key
+/// index. Both settings end with the transaction.
+pub(super) async fn plan_once_by_index(tx: &Transaction<'_>) -> Result<(), StoreError> {
+    tx.batch_execute(
+        "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off",
+    )
+    .await
+    .db()
+}
+
 /// Takes the locks of the ordering keys whose queue an effect of `decided` moves in, for a
 /// caller that has not: a claim, whose leases that ran out past their deadline leave their
 /// queue.

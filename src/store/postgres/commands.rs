@@ -12,7 +12,7 @@
 use deadpool_postgres::Client;
 use tokio_postgres::error::SqlState;
 
-use super::apply_set::{Decided, apply_set, lock_queues};
+use super::apply_set::{Decided, apply_set, lock_queues, plan_once_by_index};
 use super::days::Days;
 use super::effects::{ROW_COLUMNS, apply, read_row, row_from};
 use super::error::{Db, column, corrupt, db_error};
@@ -62,11 +62,13 @@ async fn claim_once(
 ) -> Result<Option<Vec<Lease>>, StoreError> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let tx = client.transaction().await.db()?;
+    plan_once_by_index(&tx).await?;
     let lease_now: Millis = if database_clock {
-        let row = tx
-            .query_one(&format!("SELECT {DB_NOW_MS}"), &[])
+        let statement = tx
+            .prepare_cached(&format!("SELECT {DB_NOW_MS}"))
             .await
             .db()?;
+        let row = tx.query_one(&statement, &[]).await.db()?;
         column(&row, 0)?
     } else {
         now

@@ -9,7 +9,7 @@ use deadpool_postgres::{Client, Transaction};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 
-use super::apply_set::{Decided, apply_set};
+use super::apply_set::{Decided, apply_set, plan_once_by_index};
 use super::batch::Committed;
 use super::days::Days;
 use super::effects::{ROW_COLUMNS, Row, apply, read_row, row_from};
@@ -48,6 +48,7 @@ async fn complete_batch(
     batch: &[Completing],
 ) -> Result<Committed<bool>, StoreError> {
     let tx = client.transaction().await.db()?;
+    plan_once_by_index(&tx).await?;
     let keys: Vec<(Lock, &str)> = batch
         .iter()
         .map(|c| (Lock::OrderingKey, c.lease.message.ordering_key.as_str()))
