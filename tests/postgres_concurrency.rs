@@ -772,3 +772,60 @@ async fn a_stale_and_a_current_lease_completed_together_record_only_the_current(
         assert_eq!((record.history.len(), record.history_total), (1, 1));
     }
 }
+
+/// Sequential scans of `table` so far, as the server counts them (its statistics reach the
+/// view within a second or so of each transaction).
+async fn seq_scans(raw: &tokio_postgres::Client, table: &str) -> i64 {
+    raw.execute("SELECT pg_stat_clear_snapshot()", &[])
+        .await
+        .expect("clears");
+    let row = raw
+        .query_one(
+            "SELECT coalesce(seq_scan, 0) FROM pg_stat_user_tables WHERE relname = $1",
+            &[&table],
+        )
+        .await
+        .expect("reads statistics");
+    row.get(0)
+}
+
+/// Claims and completions plan their statements once per connection (generic plans), and a
+/// plan made while the live partition looked empty still reads it by its indexes once it is
+/// full: draining thousands of messages scans no table from end to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_planned_on_an_empty_store_read_a_full_one_by_its_indexes() {
+    const N: usize = 3_000;
+    let url = PostgresServer::shared().fresh_database();
+    let raw = raw_client(&url).await;
+    let store = migrated(&url, &PostgresOptions::default()).await;
+    // The statistics say the tables are empty, and every pooled connection plans its claim and
+    // completion statements while they are.
+    raw.batch_execute("VACUUM ANALYZE").await.expect("analyzes");
+    let t0 = now();
+    for round in 0..4 {
+        let req = notification_request(&format!("warm-{round}"), &format!("w-{round}"), t0);
+        store.accept(req, t0).await.expect("accepts");
+    }
+    let store = Arc::new(store);
+    let warm = store.claim_due(t0 + 1, 64, 60_000).await.expect("claims");
+    complete_concurrently(&store, warm, 1, t0 + 1).await;
+    for n in 0..N {
+        let req = notification_request(&format!("full-{n}"), &format!("k-{n}"), t0);
+        store.accept(req, t0).await.expect("accepts");
+    }
+    let before = seq_scans(&raw, "messages_live").await;
+    let mut drained = 0;
+    while drained < N {
+        let leases = store.claim_due(t0 + 2, 64, 60_000).await.expect("claims");
+        assert!(!leases.is_empty(), "{drained} of {N} drained");
+        drained += leases.len();
+        complete_concurrently(&store, leases, 1, t0 + 2).await;
+    }
+    // Statistics arrive within a second or so of each transaction.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let scans = seq_scans(&raw, "messages_live").await - before;
+    assert_eq!(
+        scans, 0,
+        "draining {N} messages scanned messages_live {scans} times"
+    );
+}
