@@ -38,9 +38,9 @@ use crate::store::StoreError;
 const MAX_BATCH: usize = 64;
 /// Batches of one kind that may run at once, each on its own pooled connection. Two, not
 /// more: a batch's own statements (begin, locks, read, writes, commit) cost the server about
-/// as much as its messages do, so fewer, larger batches are cheaper per write (four workers:
-/// 395 µs of server CPU per delivery, two: 290 µs, BENCHMARKS.md), and a second worker still
-/// runs while the first waits for a lock or its commit.
+/// as much as its messages do, so fewer, larger batches are cheaper per write (BENCHMARKS.md
+/// measured 290 and 385 µs of server CPU per delivery with two, 395 µs with four), and a
+/// second worker still runs while the first waits for a lock or its commit.
 pub const WORKERS: usize = 2;
 /// Writes waiting for a worker; past it callers wait for room (backpressure).
 const QUEUE_CAPACITY: usize = 1024;
