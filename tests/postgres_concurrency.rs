@@ -512,7 +512,7 @@ async fn a_retry_this_process_scheduled_is_made_on_time_despite_the_slow_poll() 
 /// again at once, so no claim fails, and every message is leased once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_racing_completions_that_finish_messages_never_fail() {
-    use callbackd::store::{Completion, DeliveryAttempt};
+    use callbackd::store::Completion;
     const MESSAGES: usize = 2_000;
     const CLAIMERS: usize = 4;
     let db = PostgresServer::shared().fresh_database();
@@ -546,16 +546,8 @@ async fn claims_racing_completions_that_finish_messages_never_fail() {
                             leased.lock().unwrap().insert(lease.message.id.clone()),
                             "leased twice"
                         );
-                        let attempt = DeliveryAttempt {
-                            attempt: 1,
-                            at,
-                            status: Some(204),
-                            error: None,
-                            latency_ms: Some(1),
-                            response: None,
-                        };
                         store
-                            .complete(&lease, attempt, Completion::Delivered, at)
+                            .complete(&lease, delivered_at(at), Completion::Delivered, at)
                             .await
                             .expect("completes");
                     }
@@ -638,6 +630,18 @@ async fn concurrent_completions_share_commits_and_each_is_recorded() {
     );
 }
 
+/// A first attempt at `at` that the receiver answered 204.
+fn delivered_at(at: Millis) -> callbackd::store::DeliveryAttempt {
+    callbackd::store::DeliveryAttempt {
+        attempt: 1,
+        at,
+        status: Some(204),
+        error: None,
+        latency_ms: Some(1),
+        response: None,
+    }
+}
+
 /// Completes every lease of `leases` from its own task, each `times` times at once; answers
 /// how many completions of each lease were recorded.
 async fn complete_concurrently(
@@ -646,7 +650,7 @@ async fn complete_concurrently(
     times: usize,
     at: Millis,
 ) -> Vec<usize> {
-    use callbackd::store::{Completion, DeliveryAttempt};
+    use callbackd::store::Completion;
     let tasks: Vec<Vec<JoinHandle<bool>>> = leases
         .into_iter()
         .map(|lease| {
@@ -655,16 +659,8 @@ async fn complete_concurrently(
                     let store = Arc::clone(store);
                     let lease = lease.clone();
                     tokio::spawn(async move {
-                        let attempt = DeliveryAttempt {
-                            attempt: 1,
-                            at,
-                            status: Some(204),
-                            error: None,
-                            latency_ms: Some(1),
-                            response: None,
-                        };
                         store
-                            .complete(&lease, attempt, Completion::Delivered, at)
+                            .complete(&lease, delivered_at(at), Completion::Delivered, at)
                             .await
                             .expect("completes")
                     })

@@ -17,7 +17,7 @@ use super::error::{Db, column};
 use super::locks::{Lock, lock, lock_all};
 use crate::clock::Millis;
 use crate::store::counts::{self, Tally};
-use crate::store::lifecycle::{self, Lifetimes};
+use crate::store::lifecycle::{self, Effect, Lifetimes, Snapshot};
 use crate::store::{Completion, HistoryEntry, Lease, StoreError};
 
 /// One completion waiting for its batch (`batch.rs`).
@@ -27,6 +27,20 @@ pub(super) struct Completing {
     pub completion: Completion,
     pub now: Millis,
     pub lifetimes: Lifetimes,
+}
+
+impl Completing {
+    /// store::lifecycle::complete of this completion, on the message as `snapshot` holds it.
+    fn decide(&self, snapshot: &Snapshot) -> Option<Effect> {
+        lifecycle::complete(
+            snapshot,
+            self.lease.token,
+            self.attempt.clone(),
+            self.completion,
+            self.now,
+            self.lifetimes,
+        )
+    }
 }
 
 /// [`complete_batch`] as the batcher runs it.
@@ -132,18 +146,10 @@ async fn complete_all_locked(
     let mut outcomes = Vec::with_capacity(batch.len());
     let mut decided = Vec::with_capacity(batch.len());
     for completing in batch {
-        let lease = &completing.lease;
-        let id = lease.message.id.as_str();
-        let effect = rows.get(id).and_then(|row| {
-            lifecycle::complete(
-                &row.snapshot,
-                lease.token,
-                completing.attempt.clone(),
-                completing.completion,
-                completing.now,
-                completing.lifetimes,
-            )
-        });
+        let id = completing.lease.message.id.as_str();
+        let effect = rows
+            .get(id)
+            .and_then(|row| completing.decide(&row.snapshot));
         // A message's first effect takes its row: a later completion of it in the batch
         // finds it gone, as it would find it no longer held one at a time.
         let Some((effect, row)) = effect.and_then(|effect| Some((effect, rows.remove(id)?))) else {
@@ -164,19 +170,11 @@ async fn complete_locked(
     days: &Days,
     completing: &Completing,
 ) -> Result<bool, StoreError> {
-    let lease = &completing.lease;
-    let id = lease.message.id.as_str();
+    let id = completing.lease.message.id.as_str();
     let Some(row) = read_row(tx, id).await? else {
         return Ok(false);
     };
-    let Some(effect) = lifecycle::complete(
-        &row.snapshot,
-        lease.token,
-        completing.attempt.clone(),
-        completing.completion,
-        completing.now,
-        completing.lifetimes,
-    ) else {
+    let Some(effect) = completing.decide(&row.snapshot) else {
         return Ok(false);
     };
     apply(tx, days, id, &row, effect).await?;
