@@ -370,3 +370,79 @@ async fn a_silent_cluster_node_connection_is_replaced() {
         stranded.elapsed()
     );
 }
+
+/// The defect this guards: a delivery held its host's slot until its outcome was recorded, so
+/// a store that answers slowly (or not at all, for a while) capped a fast gateway at its
+/// slots per store commit, and the next message for it waited out its turn and went back to
+/// the queue. Now the slot is given back when the request ends: with one slot per host, a
+/// message waiting for it is sent while the store cannot record the first one's outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_slot_is_free_while_the_store_records_the_outcome() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port))).await;
+    let first_reply = support::sink::Gate::new();
+    let sink = Sink::start_async({
+        let first_reply = first_reply.clone();
+        move |_, n| {
+            let first_reply = first_reply.clone();
+            Box::pin(async move {
+                if n == 0 {
+                    first_reply.wait().await;
+                }
+                support::sink::Reply::status(204)
+            })
+        }
+    })
+    .await;
+    let mut cfg = config(
+        &format!("redis://127.0.0.1:{}/0", proxy.port),
+        Some(&format!("{}/events", sink.url)),
+    );
+    cfg.store.timeout_ms = TIMEOUT_MS;
+    cfg.dispatch.per_host_concurrency = 1;
+    let server = TestServer::start(cfg).await;
+
+    let first = post(&server, 1)
+        .await
+        .expect("the first callback is acknowledged");
+    eventually(10, "the first delivery reaches the sink", || async {
+        (sink.count() == 1).then_some(())
+    })
+    .await;
+    let second = post(&server, 2)
+        .await
+        .expect("the second callback is acknowledged");
+    // Claimed, so it waits for the host's one slot, which the first delivery holds.
+    eventually(5, "the second message is claimed", || async {
+        let r = server.admin_get(&format!("/v1/messages/{second}")).await;
+        let v: Value = r.json().await.ok()?;
+        (v["state"] == "in_flight").then_some(())
+    })
+    .await;
+    // The store goes silent, then the sink answers the first delivery: its outcome cannot be
+    // recorded until the heal.
+    proxy.set(Fault::Blackhole);
+    first_reply.open();
+    eventually(
+        5,
+        "the second message is sent while the store is silent",
+        || async {
+            let sent: Vec<String> = sink
+                .received()
+                .iter()
+                .filter_map(|r| r.header("x-callbackd-message-id"))
+                .collect();
+            sent.contains(&second).then_some(())
+        },
+    )
+    .await;
+    proxy.set(Fault::Pass);
+    for id in [&first, &second] {
+        eventually(30, "both outcomes recorded after the heal", || async {
+            let r = server.admin_get(&format!("/v1/messages/{id}")).await;
+            let v: Value = r.json().await.ok()?;
+            (v["state"] == "delivered").then_some(())
+        })
+        .await;
+    }
+}

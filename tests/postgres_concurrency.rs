@@ -825,3 +825,65 @@ async fn claims_planned_on_an_empty_store_read_a_full_one_by_its_indexes() {
         "draining {N} messages scanned messages_live {scans} times"
     );
 }
+
+/// Claims of the due-message query `db` ran, from `pg_stat_statements`.
+fn claims_run(server: &PostgresServer, db: &str) -> u64 {
+    server
+        .psql(&format!(
+            "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements s \
+             JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = '{db}' \
+             AND s.query LIKE '%FROM messages_live m WHERE m.due_at <=%'"
+        ))
+        .trim()
+        .parse()
+        .expect("a count")
+}
+
+/// A claim is a durable commit: one host's worth per claim (here one message, its one slot)
+/// capped a fast host at a slot per commit. While the host takes what it is sent, a claim
+/// takes what the waiting room holds, and the messages wait for the slot in memory; 300 due
+/// messages to a host with one slot then take far fewer claims than messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_host_with_one_slot_gets_more_than_one_message_per_claim() {
+    let server = PostgresServer::start_with(&[("shared_preload_libraries", "pg_stat_statements")]);
+    server.psql("CREATE EXTENSION pg_stat_statements");
+    let url = server.fresh_database();
+    let db = database_name(&url).to_string();
+    let sink = Sink::ok().await;
+    let store = Arc::new(migrated(&url, &PostgresOptions::default()).await);
+    const MESSAGES: usize = 300;
+    let at = now();
+    for n in 0..MESSAGES {
+        let mut req = notification_request(&format!("d-{n}"), &format!("k-{n}"), at);
+        req.message.target_url = Some(format!("{}/hook", sink.url));
+        assert_eq!(
+            store.accept(req, at).await.expect("accepts"),
+            AcceptOutcome::Accepted
+        );
+    }
+    let mut cfg = config(&url, None);
+    cfg.dispatch.per_host_concurrency = 1;
+    let settings = Settings::from_config(&cfg).expect("settings");
+    let dispatcher = Dispatcher::new(
+        &settings,
+        store as Arc<dyn Store>,
+        Arc::new(SystemClock),
+        Arc::new(tokio::sync::Notify::new()),
+    )
+    .expect("dispatcher");
+    server.psql("SELECT pg_stat_statements_reset()");
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(Arc::new(dispatcher).run(stop.clone(), Duration::from_secs(1)));
+    eventually(60, "every message delivered", || async {
+        (sink.count() >= MESSAGES).then_some(())
+    })
+    .await;
+    stop.cancel();
+    running.await.expect("the dispatcher stops");
+    let claims = claims_run(&server, &db);
+    eprintln!("{MESSAGES} messages to a host with one slot in {claims} claims");
+    assert!(
+        claims * 3 <= MESSAGES as u64,
+        "{claims} claims for {MESSAGES} messages to one fast host"
+    );
+}

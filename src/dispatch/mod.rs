@@ -22,6 +22,7 @@ pub use gate::{GateState, HoldReason};
 
 use crate::clock::Millis;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -65,6 +66,10 @@ pub struct Dispatcher {
     settings: DispatchSettings,
     /// One host's worth: the largest per-host concurrency configured.
     claim_size: usize,
+    /// Set when a claimed message is not sent at once for its host's sake (held, over its
+    /// rate, or sent back for want of a slot): the next claim takes one host's worth. Clear,
+    /// a claim takes what the free permits and the waiting room hold.
+    sent_back: AtomicBool,
     permits: Arc<Semaphore>,
     hosts: Hosts,
     /// Each host's throttle, breaker and rate (`gate.rs`): whether a claimed message may go.
@@ -125,6 +130,7 @@ impl Dispatcher {
                 .values()
                 .filter_map(|h| h.concurrency)
                 .fold(d.per_host_concurrency, usize::max),
+            sent_back: AtomicBool::new(false),
             hosts: Hosts::new(
                 d.per_host_concurrency,
                 d.concurrency,
@@ -165,16 +171,23 @@ impl Dispatcher {
     async fn claim_and_spawn(self: &Arc<Self>, tasks: &mut JoinSet<()>) -> usize {
         // A window's digest is due when the window ends, however busy the workers are.
         self.send_digests(Some(self.clock.now_ms())).await;
-        // At most one host's worth per claim: when every due message goes to the same gateway
-        // (the common case), a bigger claim would only lease messages that go back to the
-        // queue; and no more than the waiting room for slots holds, so that a busy host's
+        // One host's worth per claim once a claimed message went back unsent: when every due
+        // message goes to the same busy gateway (the common case), a bigger claim would only
+        // lease messages that go back to the queue. While none did, the hosts take what they
+        // are sent or free a slot within the wait, and a claim takes more: a claim is a
+        // durable commit, and one host's worth per commit would cap a fast host below what
+        // it takes. Never more than the waiting room for slots holds, so that a busy host's
         // backlog stays in the store.
+        let size = if self.sent_back.swap(false, Ordering::Relaxed) {
+            self.claim_size
+        } else {
+            CLAIM_BATCH
+        };
         let free = self
             .permits
             .available_permits()
             .min(self.hosts.room())
-            .min(CLAIM_BATCH)
-            .min(self.claim_size);
+            .min(size);
         if free == 0 {
             return 0;
         }
@@ -204,6 +217,7 @@ impl Dispatcher {
             let (ticket, wait_ms) = match self.guards.admit(&host, c.message.id.as_str(), now) {
                 Ok(go) => go,
                 Err((until, reason)) => {
+                    self.sent_back.store(true, Ordering::Relaxed);
                     tasks.spawn(async move { this.hold(&c, until, reason).await }.instrument(span));
                     continue;
                 }
@@ -212,6 +226,11 @@ impl Dispatcher {
             // be gone before the next claim is sized by them. A message waiting for its rate
             // token takes neither until its token is due.
             let admission = (wait_ms == 0).then(|| self.hosts.admit(&url));
+            // Known before the next claim is sized, which may come before this task runs:
+            // a message that waits for its host's rate, or goes back for its host's slots.
+            if matches!(admission, None | Some(Admission::Defer(_))) {
+                self.sent_back.store(true, Ordering::Relaxed);
+            }
             let permit = match &admission {
                 Some(Admission::Send(_)) => self.permits.clone().try_acquire_owned().ok(),
                 _ => None,
@@ -289,6 +308,7 @@ impl Dispatcher {
 
     /// Gives a lease back whose host has no slot for it, due again after `delay`.
     async fn send_back(&self, c: &Lease, delay: Duration) {
+        self.sent_back.store(true, Ordering::Relaxed);
         let due = self.clock.now_ms() + delay.as_millis() as i64;
         match self.store.release(c, due).await {
             Ok(_) => self.retry_at(due),
@@ -413,14 +433,14 @@ impl Dispatcher {
         }
     }
 
-    /// Delivers `c` to `url` and records the outcome, holding a global permit and a slot
-    /// to the host until it is recorded.
+    /// Delivers `c` to `url` and records the outcome, holding a slot to the host while the
+    /// request runs and a global permit until the outcome is recorded.
     async fn deliver(
         &self,
         c: Lease,
         url: String,
         _permit: OwnedSemaphorePermit,
-        _slot: Slot,
+        slot: Slot,
         ticket: Ticket,
     ) {
         let alert_target = self.alerts.as_ref().filter(|_| is_alert(&c.message));
@@ -463,6 +483,10 @@ impl Dispatcher {
         let result =
             delivery::send(client, &url, headers, c.message.body.clone(), allow_private).await;
         let latency = started.elapsed();
+        // The host's slot bounds requests to the host, and its hold time tells a slow host
+        // from a fast one: recording the outcome (a commit on the store) is neither, and
+        // holding the slot through it would cap a fast host at its slots per commit.
+        drop(slot);
         let now = self.clock.now_ms();
         let verdict = policy::classify(
             &result,
