@@ -367,6 +367,7 @@ contract!(
     a_seal_ends_with_its_claim_at_the_latest,
     history_keeps_the_first_and_the_latest_rows_and_counts_every_row,
     only_the_first_and_the_latest_rows_keep_answer_bodies,
+    bodies_of_every_size_are_claimed_and_read_byte_for_byte,
     list_pages_carry_counts_but_no_histories,
     everything_of_a_finished_message_is_swept_after_the_retention,
     retries_days_ahead_become_due_exactly_at_their_time,
@@ -2634,6 +2635,62 @@ async fn history_keeps_the_first_and_the_latest_rows_and_counts_every_row(h: &Ha
 /// A receiver's answer body is kept in the first row and the latest `ANSWER_BODY_ROWS` rows
 /// (resend marks count as rows); an older row keeps everything else and says its body was
 /// dropped, so a message retried for days stores a handful of bodies.
+/// Bodies empty, short, compressible, incompressible and large (Redis keeps a record in
+/// pieces, compressed when that is smaller: record.rs), with bytes JSON escapes, come back
+/// from a claim and a read exactly as they were accepted.
+async fn bodies_of_every_size_are_claimed_and_read_byte_for_byte(h: &Harness) {
+    let s = h.s();
+    let noise = |len: usize| -> String {
+        // Incompressible: a xorshift stream of printable characters.
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                char::from(b' ' + (x % 94) as u8)
+            })
+            .collect()
+    };
+    let bodies = [
+        String::new(),
+        r#"{"a":1}"#.to_string(),
+        format!(
+            r#"{{"quoted":"\"\u00e9\n","text":"{}"}}"#,
+            "pix ".repeat(400)
+        ),
+        noise(700),
+        noise(70_000),
+        r"ação — 支払い — \u0000 ".repeat(300),
+    ];
+    let mut ids = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        let message = NewMessage {
+            body: body.clone(),
+            ..new_message(&format!("bodies/{i}"), T0)
+        };
+        ids.push(accept(s, message, T0).await);
+    }
+    let refs: Vec<&MessageId> = ids.iter().collect();
+    let leases = claim_exactly(s, T0, &refs).await;
+    for (id, body) in ids.iter().zip(&bodies) {
+        let lease = leases
+            .iter()
+            .find(|l| &l.message.id == id)
+            .expect("claimed");
+        assert_eq!(
+            lease.message.body.as_bytes(),
+            body.as_bytes(),
+            "claimed {id}"
+        );
+        assert_eq!(
+            get(s, id).await.message.body.as_bytes(),
+            body.as_bytes(),
+            "read {id}"
+        );
+    }
+}
+
 async fn only_the_first_and_the_latest_rows_keep_answer_bodies(h: &Harness) {
     use callbackd::store::ANSWER_BODY_ROWS;
     let s = h.s();
@@ -3804,6 +3861,112 @@ mod redis_only {
             s.payment_status("pay-v3", day31).await.unwrap().as_deref(),
             Some("settled")
         );
+    }
+
+    /// Layout version 4, written by the store of commit 97e6d0c (tests/fixtures/
+    /// make_redis_v4.rs): nothing is rewritten, its JSON records are read as they are (the
+    /// story is listed, claimed and delivered on), its integer claim still replays, and new
+    /// messages keep their records compressed and in pieces, in a listpack hash, beside the old
+    /// ones, and read them back byte for byte.
+    #[tokio::test]
+    async fn a_fourth_release_redis_store_is_upgraded_in_place() {
+        let server = RedisServer::start();
+        let dumped_at =
+            load_redis_fixture(&server.url(), include_str!("fixtures/redis_v4.json")).await;
+        assert_eq!(dumped_at, T0 + 2_000);
+        let before = server.cli(&["DBSIZE"]);
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap()
+            .with_caller_clock_leases();
+        assert_eq!(store.upgrade(T0 + 5_000).await.unwrap(), 4);
+        assert_eq!(
+            server.cli(&["GET", "cb:schema"]),
+            callbackd::store::redis::SCHEMA_VERSION.to_string()
+        );
+        assert_eq!(server.cli(&["DBSIZE"]), before, "nothing rewritten");
+        let h = Harness {
+            store: std::sync::Arc::new(store),
+            backend: Backend::Redis(server),
+        };
+        let s = h.s();
+        let now = T0 + 10_000;
+        // The recorded callback's integer claim rebuilds the id it was accepted under.
+        let recorded = list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                state: Some(MessageState::Recorded),
+                ..Default::default()
+            },
+        )
+        .await;
+        let [recorded] = &recorded[..] else {
+            panic!("{recorded:?}");
+        };
+        let retry = callback_request(
+            "claim/src/payzu/tx-v4",
+            "tx-v4",
+            RETENTION_SECS,
+            s.partitions(),
+            now,
+        );
+        assert_eq!(
+            s.accept(retry, now).await.unwrap(),
+            AcceptOutcome::Replayed {
+                response: format!(r#"{{"messageId":"{}"}}"#, recorded.message.id)
+            }
+        );
+        the_release_fixture_goes_on(s, "v4").await;
+
+        // A new message's record is kept compressed, and read back byte for byte.
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let body = serde_json::json!({
+            "paymentId": "pay-after-upgrade",
+            "status": "approved",
+            "items": (0..20)
+                .map(|i| serde_json::json!({"sku": format!("sku-{i}"), "quantity": 1}))
+                .collect::<Vec<_>>(),
+        })
+        .to_string();
+        let mut fresh = NewMessage {
+            body: body.clone(),
+            ..new_message("v5/after-upgrade", now)
+        };
+        fresh.id = MessageId::generate(now, &fresh.ordering_key, s.partitions());
+        let id = fresh.id.clone();
+        let json_len = serde_json::to_string(&fresh).unwrap().len();
+        assert_eq!(
+            s.accept(request("claim/v5/after-upgrade", fresh), now)
+                .await
+                .unwrap(),
+            AcceptOutcome::Accepted
+        );
+        let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
+        let pieces: Vec<usize> = (0..)
+            .map(|i| {
+                server
+                    .cli(&["HSTRLEN", &key, &format!("r{i}")])
+                    .parse()
+                    .unwrap()
+            })
+            .take_while(|&len: &usize| len > 0)
+            .collect();
+        let stored: usize = pieces.iter().sum();
+        assert!(
+            stored * 2 < json_len && pieces.iter().all(|&len| len <= 64),
+            "{pieces:?}: {stored} bytes stored for {json_len} bytes of JSON"
+        );
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", &key]), "listpack");
+        assert_eq!(get(s, &id).await.message.body.as_bytes(), body.as_bytes());
+        let leases = s.claim_due(now, 100, 30_000).await.unwrap();
+        let lease = leases
+            .iter()
+            .find(|l| l.message.id == id)
+            .expect("the new message is due");
+        assert_eq!(lease.message.body.as_bytes(), body.as_bytes());
     }
 
     #[tokio::test]

@@ -5,9 +5,11 @@
 //! between (a resend raced an attempt), the guard fails, and the engine reads again and asks
 //! the rule again.
 
+use std::collections::HashMap;
+
 use redis::{Cmd, Value};
 
-use super::{RedisStore, corrupt, counts, decode, decode_message, script_call, to_json};
+use super::{RedisStore, corrupt, counts, decode, record, script_call, to_json};
 use crate::clock::Millis;
 use crate::store::counts::Tally;
 use crate::store::lifecycle::{Effect, Field, QueueMove, Snapshot};
@@ -169,44 +171,47 @@ pub(super) async fn read(
 ) -> Result<Option<(NewMessage, Snapshot)>, StoreError> {
     let keys = store.keys.of_id(id);
     let mut pipe = redis::pipe();
-    pipe.cmd("HMGET")
-        .arg(keys.message(id))
-        .arg(&[
-            "rec", "state", "lease", "tries", "rb", "dl", "resume", "again", "end",
-        ])
+    pipe.hgetall(keys.message(id))
         .zscore(keys.due(), id.as_str());
-    let (fields, due): (Vec<Option<String>>, Option<f64>) = store.send(&pipe).await?;
-    let [rec, state, token, tries, rb, dl, resume, again, end] = fields.as_slice() else {
-        return Err(corrupt(format!("HMGET answered {fields:?}")));
-    };
-    let (Some(rec), Some(state)) = (rec, state) else {
+    let (fields, due): (HashMap<String, Vec<u8>>, Option<f64>) = store.send(&pipe).await?;
+    let Some(message) = record::of_fields(&fields)? else {
         return Ok(None);
     };
-    let message = decode_message(rec)?;
-    let state = crate::store::MessageState::parse(state)
-        .ok_or_else(|| corrupt(format!("message {id} has state `{state}`")))?;
-    let number = |field: &Option<String>| -> Result<Option<Millis>, StoreError> {
-        match field.as_deref() {
+    let Some(state) = fields.get("state") else {
+        return Ok(None);
+    };
+    let state = std::str::from_utf8(state)
+        .ok()
+        .and_then(crate::store::MessageState::parse)
+        .ok_or_else(|| {
+            corrupt(format!(
+                "message {id} has state `{}`",
+                String::from_utf8_lossy(state)
+            ))
+        })?;
+    let number = |name: &str| -> Result<Option<Millis>, StoreError> {
+        match fields.get(name) {
             None => Ok(None),
-            Some(text) => decode::<Millis>(Value::BulkString(text.as_bytes().to_vec()))
-                .map(|n| (n != 0).then_some(n)),
+            Some(bytes) => {
+                decode::<Millis>(Value::BulkString(bytes.clone())).map(|n| (n != 0).then_some(n))
+            }
         }
     };
-    let count = |field: &Option<String>| -> Result<u32, StoreError> {
-        u32::try_from(number(field)?.unwrap_or(0)).map_err(corrupt)
+    let count = |name: &str| -> Result<u32, StoreError> {
+        u32::try_from(number(name)?.unwrap_or(0)).map_err(corrupt)
     };
     let snapshot = Snapshot {
         state,
-        token: u64::try_from(number(token)?.unwrap_or(0)).map_err(corrupt)?,
-        attempts: count(tries)?,
-        backoff_from: count(rb)?,
+        token: u64::try_from(number("lease")?.unwrap_or(0)).map_err(corrupt)?,
+        attempts: count("tries")?,
+        backoff_from: count("rb")?,
         // no `dl` is the record's deadline
-        deadline: number(dl)?.unwrap_or(message.deadline),
+        deadline: number("dl")?.unwrap_or(message.deadline),
         // scores are whole milliseconds
         due_at: due.map(|score| score as Millis),
-        resume_at: number(resume)?,
-        again: number(again)? == Some(1),
-        ends_at: number(end)?,
+        resume_at: number("resume")?,
+        again: number("again")? == Some(1),
+        ends_at: number("end")?,
     };
     Ok(Some((message, snapshot)))
 }

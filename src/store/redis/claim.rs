@@ -30,7 +30,7 @@ use std::sync::{Mutex, PoisonError};
 use redis::{Pipeline, Value};
 
 use super::connection::Sent;
-use super::{RedisStore, corrupt, decode, decode_message, one_call, script_call};
+use super::{RedisStore, corrupt, decode, one_call, record, script_call};
 use crate::clock::Millis;
 use crate::store::{Lease, MessageState, StoreError};
 
@@ -365,7 +365,7 @@ fn head_score(reply: Value) -> Result<Option<Millis>, StoreError> {
 /// record's), `resume` and `again` (0: none).
 fn decode_lease(row: Value) -> Result<Lease, StoreError> {
     let (rec, token, tries, rb, deadline, resume, again): (
-        String,
+        Vec<u8>,
         u64,
         u32,
         u32,
@@ -373,7 +373,7 @@ fn decode_lease(row: Value) -> Result<Lease, StoreError> {
         Millis,
         u8,
     ) = decode(row)?;
-    let message = decode_message(&rec)?;
+    let message = record::decode(&rec)?;
     Ok(Lease {
         deadline: deadline.parse().unwrap_or(message.deadline),
         message,

@@ -7,7 +7,7 @@ use redis::{Cmd, Pipeline};
 
 use super::apply::{self, Applied};
 use super::connection::Sent;
-use super::{RedisStore, corrupt, one_call, script_call, to_json};
+use super::{RedisStore, corrupt, one_call, record, script_call};
 use super::{counts, keys};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
@@ -88,7 +88,7 @@ pub(super) async fn accept(
         .arg(req.dedupe.stored_fingerprint())
         .arg(stored_response(&req.dedupe.response))
         .arg(msg.id.as_str())
-        .arg(to_json(msg)?)
+        .arg(record::encode(msg)?)
         .arg(now)
         .arg(first.as_str())
         .arg(to)

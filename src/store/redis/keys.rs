@@ -46,11 +46,11 @@
 //! end), so strings stay bounded without a sweeper, as messages do not need (they are swept).
 //!
 //! `<kh>` is [`key_hash`] of the ordering key. The fields of `m:<id>` (absent means the
-//! default, so a new message writes only the first three):
+//! default, so a new message writes only the record, `state` and `kh`):
 //!
 //! | field | holds |
 //! |---|---|
-//! | `rec` | the [`NewMessage`](crate::store::NewMessage) as JSON, fixed at acceptance |
+//! | `r0`, `r1`, … | the record, fixed at acceptance: the [`NewMessage`](crate::store::NewMessage) as JSON, zstd-compressed when that is smaller, in pieces of at most 64 bytes so the hash stays a listpack (record.rs); `rec`, the JSON whole, in layout 4 and before |
 //! | `state` | [`MessageState`] |
 //! | `kh` | [`key_hash`] of the ordering key, so the sweeper finds `ix:k:<kh>` |
 //! | `end` | when a finished or recorded message ends (absent while there is work left) |
@@ -85,8 +85,9 @@ use crate::store::{MessageId, MessageState};
 /// The layout this binary writes. 1: the first release (TTLs only, global trims);
 /// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history; 3: ends inside
 /// the strings, hourly expiry buckets, no index of all messages, compact dedupe claims;
-/// 4: a callback's dedupe claim may be one integer (its id is derived from the claim key).
-pub const SCHEMA_VERSION: u32 = 4;
+/// 4: a callback's dedupe claim may be one integer (its id is derived from the claim key);
+/// 5: a message's record may be compressed, and is kept in pieces (record.rs).
+pub const SCHEMA_VERSION: u32 = 5;
 
 /// Width of an expiry bucket: a member is deleted by the first sweep at or after its end, and
 /// at the latest one bucket later when it was pushed behind a later end.

@@ -48,6 +48,7 @@ mod keys;
 mod partitions;
 pub mod prefix;
 mod reads;
+mod record;
 mod recoveries;
 mod replaceable;
 mod scripts;
@@ -65,9 +66,9 @@ use serde::Serialize;
 
 use super::{
     AcceptOutcome, AcceptRequest, Completion, DEFAULT_PAYMENT_RETENTION_SECS, DeliveryAttempt,
-    InboundCount, Lease, ListFilter, MessageId, MessageRecord, MinuteCount, NewMessage,
-    OperationReservation, Page, Partitions, PaymentStatusRead, QueueDepth, Recovery, ResendEffect,
-    ResendMark, Store, StoreError, WorkSignal,
+    InboundCount, Lease, ListFilter, MessageId, MessageRecord, MinuteCount, OperationReservation,
+    Page, Partitions, PaymentStatusRead, QueueDepth, Recovery, ResendEffect, ResendMark, Store,
+    StoreError, WorkSignal,
 };
 use crate::clock::Millis;
 use crate::store::ids::partition_of;
@@ -513,14 +514,11 @@ fn to_json(value: &impl Serialize) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(corrupt)
 }
 
-/// The `rec` field of a message hash.
-fn decode_message(rec: &str) -> Result<NewMessage, StoreError> {
-    serde_json::from_str(rec).map_err(corrupt)
-}
-
 /// A numeric field of a message hash; `None` when absent (older layouts) or unreadable.
-fn field<T: FromStr>(fields: &HashMap<String, String>, name: &str) -> Option<T> {
-    fields.get(name).and_then(|v| v.parse().ok())
+fn field<T: FromStr>(fields: &HashMap<String, Vec<u8>>, name: &str) -> Option<T> {
+    fields
+        .get(name)
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
 #[async_trait]

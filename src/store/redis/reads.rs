@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use redis::{Cmd, Pipeline, Value};
 
 use super::connection::Sent;
-use super::{RedisStore, corrupt, decode, decode_message, field};
+use super::{RedisStore, corrupt, decode, field, record};
 use crate::clock::Millis;
 use crate::store::{
     HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, Page, QueueDepth, StoreError,
@@ -177,14 +177,14 @@ async fn records(
                 .ok_or_else(|| corrupt("short pipeline reply"))
         };
         for id in ids {
-            let fields: HashMap<String, String> = decode(next()?)?;
+            let fields: HashMap<String, Vec<u8>> = decode(next()?)?;
             let next_attempt_at: Option<f64> = decode(next()?)?;
             let history: Vec<String> = if with_history {
                 decode(next()?)?
             } else {
                 Vec::new()
             };
-            if let Some(record) = record(&fields, next_attempt_at, &history)? {
+            if let Some(record) = message_record(&fields, next_attempt_at, &history)? {
                 found.insert(id, record);
             }
         }
@@ -194,18 +194,17 @@ async fn records(
 
 /// One message from its hash fields, its score in `due` and its history rows; `None` when
 /// the message is gone.
-fn record(
-    fields: &HashMap<String, String>,
+fn message_record(
+    fields: &HashMap<String, Vec<u8>>,
     next_attempt_at: Option<f64>,
     history: &[String],
 ) -> Result<Option<MessageRecord>, StoreError> {
-    let Some(rec) = fields.get("rec") else {
+    let Some(message) = record::of_fields(fields)? else {
         return Ok(None);
     };
-    let message = decode_message(rec)?;
     let state = fields
         .get("state")
-        .and_then(|s| MessageState::parse(s))
+        .and_then(|s| MessageState::parse(std::str::from_utf8(s).ok()?))
         .ok_or_else(|| corrupt(format!("message {} has no valid state", message.id)))?;
     let history = history
         .iter()

@@ -19,6 +19,10 @@
 //! nothing: the string claims of version 3 stay readable until they end, and only the version
 //! key changes, so a version-3 binary refuses the store once integers may be in it.
 //!
+//! Version 5 may keep a message's record compressed, and keeps it in pieces (record.rs). It
+//! rewrites nothing either: the whole JSON `rec` of version 4 and before stays readable as it
+//! is, and a version-4 binary refuses the store once records in pieces may be in it.
+//!
 //! Every step is idempotent (members are added with `NX`, a payment is extended only while
 //! it has no member yet, a v2 expiry member leaves with its upgrade), so an upgrade cut short
 //! by a crash is simply run again. The version key is written last. Old processes must be

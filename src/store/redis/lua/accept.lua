@@ -8,7 +8,7 @@
 --       9 signature seal (a key that never exists when there is no seal),
 --       10 the source's inbound counts of the hour (recoveries.rs; never written when ARGV[18]
 --       is '')
--- ARGV: 1 claim end ms, 2 fingerprint, 3 stored response, 4 id, 5 record json, 6 now ms,
+-- ARGV: 1 claim end ms, 2 fingerprint, 3 stored response, 4 id, 5 record (record.rs), 6 now ms,
 --       7 first state, 8 payment target status ('' = none),
 --       9 allowed previous statuses (space separated), 10 payment state end ms,
 --       11 message end ms ('' = none), 12 seal expiry ms ('' = no seal), 13 short hash of the
@@ -100,14 +100,25 @@ else
   put(KEYS[8], KEYS[1], ARGV[2] .. '\n' .. ARGV[3], claim_until, now)
 end
 seal(ARGV[3], claim_until)
+-- The record goes in pieces `r0`, `r1`, ... of at most 64 bytes, the default of Redis'
+-- `hash-max-listpack-value`: with every value that short the hash stays a listpack, one
+-- allocation, instead of a hashtable with an entry and two strings per field (claim.lua and
+-- record.rs put the pieces together again).
+local RECORD_PIECE = 64
+local fields = {'state', ARGV[7], 'kh', ARGV[13]}
+local record = ARGV[5]
+for i = 0, math.ceil(#record / RECORD_PIECE) - 1 do
+  fields[#fields + 1] = 'r' .. i
+  fields[#fields + 1] = string.sub(record, i * RECORD_PIECE + 1, (i + 1) * RECORD_PIECE)
+end
 -- The other fields start at their defaults, which an absent field means.
-if ARGV[11] == '' then
-  redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13])
-else
+if ARGV[11] ~= '' then
   local ends = tonumber(ARGV[11])
-  redis.call('HSET', KEYS[2], 'rec', ARGV[5], 'state', ARGV[7], 'kh', ARGV[13], 'end', ends)
+  fields[#fields + 1] = 'end'
+  fields[#fields + 1] = ends
   add_expiry(KEYS[8], 'xm', 'm:' .. id, ends, now)
 end
+redis.call('HSET', KEYS[2], unpack(fields))
 if ARGV[16] ~= '' and redis.call('RPUSH', KEYS[3], id) == 1 then
   redis.call('ZADD', KEYS[4], ARGV[16], id)
   if tonumber(ARGV[16]) <= now then wake_dispatchers(KEYS[4]) end
