@@ -3780,33 +3780,32 @@ mod redis_only {
         assert_eq!(server.cli(&["EXISTS", &string_form]), "0");
     }
 
-    /// Layout version 3, written by the store of commit bb1ae44 (tests/fixtures/
-    /// make_redis_v3.rs): nothing is rewritten, its string claims replay their random ids
-    /// until they end, everything goes on, and new callbacks get integer claims.
-    #[tokio::test]
-    async fn a_third_release_redis_store_is_upgraded_in_place() {
+    /// A Redis store loaded from a release's fixture (`tests/fixtures/redis_v*.json`) and
+    /// upgraded in place at `T0 + 5 000`: it reports version `from`, holds this layout's
+    /// version, and nothing was rewritten.
+    async fn upgraded_fixture(fixture: &str, from: u32) -> Harness {
         let server = RedisServer::start();
-        let dumped_at =
-            load_redis_fixture(&server.url(), include_str!("fixtures/redis_v3.json")).await;
+        let dumped_at = load_redis_fixture(&server.url(), fixture).await;
         assert_eq!(dumped_at, T0 + 2_000);
         let before = server.cli(&["DBSIZE"]);
         let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
             .await
             .unwrap()
             .with_caller_clock_leases();
-        assert_eq!(store.upgrade(T0 + 5_000).await.unwrap(), 3);
+        assert_eq!(store.upgrade(T0 + 5_000).await.unwrap(), from);
         assert_eq!(
             server.cli(&["GET", "cb:schema"]),
             callbackd::store::redis::SCHEMA_VERSION.to_string()
         );
         assert_eq!(server.cli(&["DBSIZE"]), before, "nothing rewritten");
-        let h = Harness {
+        Harness {
             store: std::sync::Arc::new(store),
             backend: Backend::Redis(server),
-        };
-        let s = h.s();
-        let now = T0 + 10_000;
-        // The recorded callback's claim names its random id (no fingerprint, as a callback).
+        }
+    }
+
+    /// The one recorded message of a release's story: its signed inbound callback.
+    async fn the_recorded_callback(s: &dyn Store) -> MessageRecord {
         let recorded = list_all(
             s,
             ListFilter {
@@ -3819,6 +3818,19 @@ mod redis_only {
         let [recorded] = &recorded[..] else {
             panic!("{recorded:?}");
         };
+        recorded.clone()
+    }
+
+    /// Layout version 3, written by the store of commit bb1ae44 (tests/fixtures/
+    /// make_redis_v3.rs): nothing is rewritten, its string claims replay their random ids
+    /// until they end, everything goes on, and new callbacks get integer claims.
+    #[tokio::test]
+    async fn a_third_release_redis_store_is_upgraded_in_place() {
+        let h = upgraded_fixture(include_str!("fixtures/redis_v3.json"), 3).await;
+        let s = h.s();
+        let now = T0 + 10_000;
+        // The recorded callback's claim names its random id (no fingerprint, as a callback).
+        let recorded = &the_recorded_callback(s).await;
         let mut retry = request("claim/src/payzu/tx-v3", inbound("payzu", "tx-v3", now));
         retry.message.id = MessageId::for_claim(
             now,
@@ -3870,40 +3882,11 @@ mod redis_only {
     /// ones, and read them back byte for byte.
     #[tokio::test]
     async fn a_fourth_release_redis_store_is_upgraded_in_place() {
-        let server = RedisServer::start();
-        let dumped_at =
-            load_redis_fixture(&server.url(), include_str!("fixtures/redis_v4.json")).await;
-        assert_eq!(dumped_at, T0 + 2_000);
-        let before = server.cli(&["DBSIZE"]);
-        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
-            .await
-            .unwrap()
-            .with_caller_clock_leases();
-        assert_eq!(store.upgrade(T0 + 5_000).await.unwrap(), 4);
-        assert_eq!(
-            server.cli(&["GET", "cb:schema"]),
-            callbackd::store::redis::SCHEMA_VERSION.to_string()
-        );
-        assert_eq!(server.cli(&["DBSIZE"]), before, "nothing rewritten");
-        let h = Harness {
-            store: std::sync::Arc::new(store),
-            backend: Backend::Redis(server),
-        };
+        let h = upgraded_fixture(include_str!("fixtures/redis_v4.json"), 4).await;
         let s = h.s();
         let now = T0 + 10_000;
         // The recorded callback's integer claim rebuilds the id it was accepted under.
-        let recorded = list_all(
-            s,
-            ListFilter {
-                limit: 100,
-                state: Some(MessageState::Recorded),
-                ..Default::default()
-            },
-        )
-        .await;
-        let [recorded] = &recorded[..] else {
-            panic!("{recorded:?}");
-        };
+        let recorded = &the_recorded_callback(s).await;
         let retry = callback_request(
             "claim/src/payzu/tx-v4",
             "tx-v4",
