@@ -3950,6 +3950,37 @@ mod redis_only {
             .find(|l| l.message.id == id)
             .expect("the new message is due");
         assert_eq!(lease.message.body.as_bytes(), body.as_bytes());
+
+        // Its first history row is kept in its hash, so a message with one row has no list;
+        // the rows after it go to the list.
+        let attempts_key = format!("cb:{{p{:02}}}:a:{id}", id.partition());
+        let retry = Completion::Retry { next_at: now + 10 };
+        assert!(complete(s, lease, retry, now).await);
+        assert_eq!(server.cli(&["EXISTS", &attempts_key]), "0");
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", &key]), "listpack");
+        let second = claim_one(s, now + 10, &id).await;
+        assert!(complete(s, &second, Completion::Delivered, now + 10).await);
+        assert_eq!(server.cli(&["LLEN", &attempts_key]), "1");
+        let fresh = get(s, &id).await;
+        let attempts: Vec<u32> = fresh.history.iter().map(attempt_no).collect();
+        assert_eq!((attempts, fresh.history_total), (vec![1, 2], 2));
+
+        // A message of layout 4 keeps its first row in its list, and appends after it.
+        let expedited = list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                ..Default::default()
+            },
+        )
+        .await
+        .into_iter()
+        .find(|r| r.message.ordering_key == "v4/expedited")
+        .expect("the expedited message");
+        let expedited = get(s, &expedited.message.id).await;
+        let kinds: Vec<&str> = expedited.history.iter().map(HistoryEntry::kind).collect();
+        assert_eq!(kinds, ["delivery", "resend", "delivery"]);
+        assert_eq!(expedited.history_total, 3);
     }
 
     #[tokio::test]

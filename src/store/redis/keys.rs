@@ -12,7 +12,7 @@
 //! | `d:<h16>` | string | dedupe claim: end ms `\|` fingerprint `\n` stored response (below), or a compact claim (below), `dedupe_ttl_secs` |
 //! | `s:<hash>` | string | signature seal: end ms `\|` the first answer (stored response), while it is valid |
 //! | `m:<id>` | hash | message record and mutable state (fields below) |
-//! | `a:<id>` | list | attempt history (JSON rows): the first and the latest 100 |
+//! | `a:<id>` | list | attempt history (JSON rows) after the first row, which is in `m:<id>`: the latest 100 (written by layout 4 and before: the first row too) |
 //! | `q:<kh>` | list | ids of one ordering key not yet finished; only the head is due |
 //! | `due` | zset | due heads scored by next attempt time |
 //! | `lease` | zset | in-flight ids scored by lease expiry |
@@ -61,6 +61,7 @@
 //! | `resume` | the scheduled attempt a resend brought forward, to resume from (0: none) |
 //! | `again` | 1 when a resend arrived while an attempt was in flight (0) |
 //! | `hn` | history rows ever recorded, kept or dropped (0) |
+//! | `h0`, `h1`, … | the first history row (JSON), in pieces as the record (history.lua; absent before the first row, and in layout 4 and before, whose first row is in `a:<id>`) |
 //!
 //! Each partition also has a channel, `<prefix>:{pNN}:wake`, named like its keys so that on a
 //! cluster it is a shard channel of the partition's slot (`wake.rs`); nothing is stored there.
@@ -86,7 +87,8 @@ use crate::store::{MessageId, MessageState};
 /// 2: the expiry index, `kh`/`hn` fields, signature seals, bounded history; 3: ends inside
 /// the strings, hourly expiry buckets, no index of all messages, compact dedupe claims;
 /// 4: a callback's dedupe claim may be one integer (its id is derived from the claim key);
-/// 5: a message's record may be compressed, and is kept in pieces (record.rs).
+/// 5: a message's record may be compressed and, with its first history row, is kept in
+/// pieces in its hash (record.rs).
 pub const SCHEMA_VERSION: u32 = 5;
 
 /// Width of an expiry bucket: a member is deleted by the first sweep at or after its end, and

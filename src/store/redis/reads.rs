@@ -179,12 +179,12 @@ async fn records(
         for id in ids {
             let fields: HashMap<String, Vec<u8>> = decode(next()?)?;
             let next_attempt_at: Option<f64> = decode(next()?)?;
-            let history: Vec<String> = if with_history {
-                decode(next()?)?
+            let history: Option<Vec<String>> = if with_history {
+                Some(decode(next()?)?)
             } else {
-                Vec::new()
+                None
             };
-            if let Some(record) = message_record(&fields, next_attempt_at, &history)? {
+            if let Some(record) = message_record(&fields, next_attempt_at, history.as_deref())? {
                 found.insert(id, record);
             }
         }
@@ -192,12 +192,12 @@ async fn records(
     Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
 }
 
-/// One message from its hash fields, its score in `due` and its history rows; `None` when
-/// the message is gone.
+/// One message from its hash fields, its score in `due` and its history list (`None`: the
+/// history is not wanted); `None` when the message is gone.
 fn message_record(
     fields: &HashMap<String, Vec<u8>>,
     next_attempt_at: Option<f64>,
-    history: &[String],
+    listed: Option<&[String]>,
 ) -> Result<Option<MessageRecord>, StoreError> {
     let Some(message) = record::of_fields(fields)? else {
         return Ok(None);
@@ -206,9 +206,18 @@ fn message_record(
         .get("state")
         .and_then(|s| MessageState::parse(std::str::from_utf8(s).ok()?))
         .ok_or_else(|| corrupt(format!("message {} has no valid state", message.id)))?;
-    let history = history
+    // The first row in the hash (history.lua), the rows after it in the list; or, written
+    // by layout 4 and before, all of them in the list.
+    let first = listed.and(record::joined(fields, "h"));
+    let history = first
         .iter()
-        .map(|row| serde_json::from_str::<HistoryEntry>(row).map_err(corrupt))
+        .map(|row| serde_json::from_slice::<HistoryEntry>(row).map_err(corrupt))
+        .chain(
+            listed
+                .unwrap_or_default()
+                .iter()
+                .map(|row| serde_json::from_str::<HistoryEntry>(row).map_err(corrupt)),
+        )
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Some(MessageRecord {
         state,

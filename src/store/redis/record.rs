@@ -8,8 +8,9 @@
 //! a third or more off (BENCHMARKS.md, "Redis layout 5"). And a hash with a value longer than
 //! `hash-max-listpack-value` (64 bytes by default) is a hashtable, a dict with an entry and two
 //! strings per field, where a listpack is one allocation: accept.lua cuts the record into
-//! pieces that short, and claim.lua and [`of_fields`] put them together again. Nothing in the
-//! scripts reads inside the record, so its form is this file's alone.
+//! pieces that short (pieces.lua; a message's first history row too, history.lua), and
+//! claim.lua and [`of_fields`] put them together again. Nothing in the scripts reads inside
+//! the record, so its form is this file's alone.
 //!
 //! The two forms tell themselves apart by their first bytes: a zstd frame starts with its
 //! magic number, JSON with `{`. So records of layout 4 and earlier stay readable as they are,
@@ -72,16 +73,19 @@ pub(super) fn of_fields(
     if let Some(rec) = fields.get("rec") {
         return decode(rec).map(Some);
     }
-    let mut rec = Vec::new();
+    joined(fields, "r").map(|rec| decode(&rec)).transpose()
+}
+
+/// A value kept in pieces `<prefix>0`, `<prefix>1`, … of a hash (pieces.lua), put together;
+/// `None` when it has none.
+pub(super) fn joined(fields: &HashMap<String, Vec<u8>>, prefix: &str) -> Option<Vec<u8>> {
+    let mut value = Vec::new();
     let mut piece = 0;
-    while let Some(bytes) = fields.get(&format!("r{piece}")) {
-        rec.extend_from_slice(bytes);
+    while let Some(bytes) = fields.get(&format!("{prefix}{piece}")) {
+        value.extend_from_slice(bytes);
         piece += 1;
     }
-    if piece == 0 {
-        return Ok(None);
-    }
-    decode(&rec).map(Some)
+    (piece > 0).then_some(value)
 }
 
 /// The message a record holds, in either form.

@@ -72,9 +72,15 @@ impl Scripts {
     pub(super) fn new(cluster: bool) -> Scripts {
         let (accept, apply) = if cluster {
             (
-                grows_and_wakes!("SPUBLISH", "lua/expiry.lua", "lua/accept.lua"),
                 grows_and_wakes!(
                     "SPUBLISH",
+                    "lua/pieces.lua",
+                    "lua/expiry.lua",
+                    "lua/accept.lua"
+                ),
+                grows_and_wakes!(
+                    "SPUBLISH",
+                    "lua/pieces.lua",
                     "lua/history.lua",
                     "lua/expiry.lua",
                     "lua/apply.lua"
@@ -82,9 +88,15 @@ impl Scripts {
             )
         } else {
             (
-                grows_and_wakes!("PUBLISH", "lua/expiry.lua", "lua/accept.lua"),
                 grows_and_wakes!(
                     "PUBLISH",
+                    "lua/pieces.lua",
+                    "lua/expiry.lua",
+                    "lua/accept.lua"
+                ),
+                grows_and_wakes!(
+                    "PUBLISH",
+                    "lua/pieces.lua",
                     "lua/history.lua",
                     "lua/expiry.lua",
                     "lua/apply.lua"
@@ -93,7 +105,7 @@ impl Scripts {
         };
         Scripts {
             accept: LuaScript::new(accept),
-            claim: LuaScript::new(grows!("lua/claim.lua")),
+            claim: LuaScript::new(grows!("lua/pieces.lua", "lua/claim.lua")),
             apply: LuaScript::new(apply),
             // Only deletes: it must run at OOM too, since it is what frees memory.
             sweep: LuaScript::new(concat!(

@@ -100,17 +100,9 @@ else
   put(KEYS[8], KEYS[1], ARGV[2] .. '\n' .. ARGV[3], claim_until, now)
 end
 seal(ARGV[3], claim_until)
--- The record goes in pieces `r0`, `r1`, ... of at most 64 bytes, the default of Redis'
--- `hash-max-listpack-value`: with every value that short the hash stays a listpack, one
--- allocation, instead of a hashtable with an entry and two strings per field (claim.lua and
--- record.rs put the pieces together again).
-local RECORD_PIECE = 64
+-- The record goes in pieces `r0`, `r1`, ... (pieces.lua), so the hash stays a listpack.
 local fields = {'state', ARGV[7], 'kh', ARGV[13]}
-local record = ARGV[5]
-for i = 0, math.ceil(#record / RECORD_PIECE) - 1 do
-  fields[#fields + 1] = 'r' .. i
-  fields[#fields + 1] = string.sub(record, i * RECORD_PIECE + 1, (i + 1) * RECORD_PIECE)
-end
+add_pieces(fields, 'r', ARGV[5])
 -- The other fields start at their defaults, which an absent field means.
 if ARGV[11] ~= '' then
   local ends = tonumber(ARGV[11])

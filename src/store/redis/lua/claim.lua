@@ -24,26 +24,12 @@ for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[2], id)
   redis.call('ZADD', KEYS[1], now, id)
 end
--- A message's record: whole in `rec` (layout 4 and before), or in pieces `r0`, `r1`, ...
--- (accept.lua), read 8 at a time up to the first absent one.
-local function record(key, rec, first_piece)
-  if rec then return rec end
-  local pieces, next_piece = {first_piece}, 1
-  while true do
-    local names = {}
-    for i = next_piece, next_piece + 7 do names[#names + 1] = 'r' .. i end
-    for _, piece in ipairs(redis.call('HMGET', key, unpack(names))) do
-      if not piece then return table.concat(pieces) end
-      pieces[#pieces + 1] = piece
-    end
-    next_piece = next_piece + 8
-  end
-end
 local out = {}
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, limit)
 for _, id in ipairs(ids) do
   local key = ARGV[4] .. 'm:' .. id
   redis.call('ZREM', KEYS[1], id)
+  -- the record is whole in `rec` (layout 4 and before), or in pieces from `r0` (accept.lua)
   local f = redis.call('HMGET', key, 'rec', 'tries', 'rb', 'dl', 'resume', 'again', 'r0')
   if f[1] or f[7] then
     local token = redis.call('HINCRBY', key, 'lease', 1)
@@ -52,7 +38,7 @@ for _, id in ipairs(ids) do
     redis.call('ZREM', KEYS[3], id)
     redis.call('ZADD', KEYS[4], 0, id)
     -- absent fields are their defaults; no `dl` is the record's deadline
-    table.insert(out, {record(key, f[1], f[7]), tostring(token), f[2] or '0', f[3] or '0',
+    table.insert(out, {f[1] or joined(key, 'r', f[7]), tostring(token), f[2] or '0', f[3] or '0',
       f[4] or '', f[5] or '0', f[6] or '0'})
   end
 end
