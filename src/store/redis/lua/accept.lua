@@ -100,9 +100,16 @@ else
   put(KEYS[8], KEYS[1], ARGV[2] .. '\n' .. ARGV[3], claim_until, now)
 end
 seal(ARGV[3], claim_until)
--- The record goes in pieces `r0`, `r1`, ... (pieces.lua), so the hash stays a listpack.
-local fields = {'state', ARGV[7], 'kh', ARGV[13]}
+-- The record goes in pieces `r0`, `r1`, ... (pieces.lua), so the hash stays a listpack, and
+-- first: a listpack keeps its fields in the order they came, and a value that changes length
+-- (a state, a count) moves every byte after it, which are then the few fields written later,
+-- not the record.
+local fields = {}
 add_pieces(fields, 'r', ARGV[5])
+fields[#fields + 1] = 'state'
+fields[#fields + 1] = ARGV[7]
+fields[#fields + 1] = 'kh'
+fields[#fields + 1] = ARGV[13]
 -- The other fields start at their defaults, which an absent field means.
 if ARGV[11] ~= '' then
   local ends = tonumber(ARGV[11])
