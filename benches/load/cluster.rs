@@ -13,6 +13,7 @@
 
 use std::time::{Duration, Instant};
 
+use callbackd::dispatch::SIGNALLED_IDLE_POLL;
 use callbackd::store::partitions::Partitions;
 use callbackd::store::redis::DEFAULT_KEY_PREFIX;
 
@@ -370,24 +371,29 @@ async fn measure_dispatch(env: &Env, target: &Target, report: &mut Report) -> Re
         .await;
 
     // The queue is empty now: what remains is the dispatcher polling every partition.
-    let idle = Duration::from_secs_f64(env.plan.cluster_secs * 2.0 / 3.0);
-    target.reset_stats().await?;
-    let quiet = Sample::take(target, Some(dispatcher.pid));
-    tokio::time::sleep(idle).await;
-    let later = Sample::take(target, Some(dispatcher.pid));
+    let idle = idle_window(env.plan.cluster_secs * 2.0 / 3.0);
+    let idle_cost = idle_pairs(target, dispatcher.pid, idle).await?;
     let idle_secs = idle.as_secs_f64();
     report.row(
-        format!("{label}: idle dispatcher, CPU µs per second of polling (over {idle_secs:.1} s)"),
-        quiet.per_op(&later, target, idle_secs),
+        format!(
+            "{label}: idle dispatcher, Redis CPU with it running minus with it stopped (SIGSTOP), ms per second, {IDLE_PAIRS} alternating pairs of {idle_secs:.1} s"
+        ),
+        idle_cost.summary(),
     );
-    for node in target.writers() {
-        if let Ok(stats) = command_stats_at(&node.url()).await {
-            let calls: u64 = stats.iter().map(|s| s.1).sum();
-            report.row(
-                format!("{label}, {}: idle dispatcher, commands/s", node.name()),
-                format!("{:.0}", calls as f64 / idle_secs),
-            );
-        }
+    let running = idle_cost.running_secs.round().max(1.0) as u64;
+    for (node, stats) in target.writers().zip(&idle_cost.commands) {
+        let calls: u64 = stats.iter().map(|s| s.1).sum();
+        report.row(
+            format!(
+                "{label}, {}: idle dispatcher, commands/s while it ran; by command, calls and µs per second",
+                node.name()
+            ),
+            format!(
+                "{:.0}; {}",
+                calls as f64 / idle_cost.running_secs,
+                redis_stats::per_op(stats, running)
+            ),
+        );
     }
     if (got as u64) < handoff.ok {
         report.note(format!(
@@ -396,19 +402,6 @@ async fn measure_dispatch(env: &Env, target: &Target, report: &mut Report) -> Re
         ));
     }
     finish(dispatcher, label, "dispatch", report);
-
-    // The same window with no callbackd connected: what the servers spend by themselves
-    // (serverCron, the AOF's fsync every second, a cluster's bus), which the idle row above
-    // includes. The dispatcher's own cost is the difference.
-    let alone = Sample::take(target, None);
-    tokio::time::sleep(idle).await;
-    let alone_later = Sample::take(target, None);
-    report.row(
-        format!(
-            "{label}: no callbackd connected, the servers' own CPU µs per second (over {idle_secs:.1} s)"
-        ),
-        alone.per_op(&alone_later, target, idle_secs),
-    );
     Ok(())
 }
 
@@ -487,4 +480,145 @@ async fn recorded_partitions(target: &Target) -> Option<u16> {
         }
     }
     None
+}
+
+/// Pairs of windows in the idle measurement: one with the dispatcher running, one with it
+/// stopped.
+const IDLE_PAIRS: usize = 5;
+
+/// What an idle dispatcher costs the Redis processes, as differences between windows with it
+/// running and with it stopped, in ms of CPU per second.
+struct IdleCost {
+    /// Masters (or the one Redis), one difference per pair.
+    masters: Vec<f64>,
+    /// Replicas, one difference per pair (empty without replicas).
+    replicas: Vec<f64>,
+    /// The dispatcher's own CPU while running, ms per second, per pair.
+    callbackd: Vec<f64>,
+    /// Seconds the dispatcher ran in the measured windows.
+    running_secs: f64,
+    /// Each master's `INFO commandstats` over the measured windows: (command, calls, µs).
+    commands: Vec<Vec<(String, u64, u64)>>,
+}
+
+impl IdleCost {
+    fn summary(&self) -> String {
+        let replicas = if self.replicas.is_empty() {
+            String::new()
+        } else {
+            format!("; replicas {}", spread(&self.replicas))
+        };
+        format!(
+            "masters {}{replicas}; callbackd's own {}",
+            spread(&self.masters),
+            spread(&self.callbackd)
+        )
+    }
+}
+
+/// Mean, and each value, of a few ms/s figures.
+fn spread(values: &[f64]) -> String {
+    let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+    let each: Vec<String> = values.iter().map(|v| format!("{v:.2}")).collect();
+    format!("mean {mean:.2} ({})", each.join(", "))
+}
+
+/// A window of the idle measurement: at least `secs`, rounded up to whole idle polls, so
+/// that every window holds the same number of polls. A window shorter than the poll would
+/// hold one or none by chance.
+fn idle_window(secs: f64) -> Duration {
+    let poll = SIGNALLED_IDLE_POLL.as_secs_f64();
+    Duration::from_secs_f64((secs / poll).ceil().max(1.0) * poll)
+}
+
+/// How long a resumed dispatcher is left before its window is measured: half its idle poll.
+/// On waking it makes at once the poll it missed while stopped, which would otherwise count
+/// in the window; after it, the polls come a whole poll apart, so a window of whole polls
+/// starting half-way between two holds exactly its number of them.
+fn settle_after_resume() -> Duration {
+    SIGNALLED_IDLE_POLL / 2
+}
+
+/// Alternates windows of `window` with the dispatcher running and stopped (SIGSTOP, so it
+/// keeps its connections and sends nothing): one window with it and one without would measure
+/// the machine's drift between them as much as the dispatcher, since the servers' own idle
+/// work (serverCron, the AOF's fsync, the cluster bus) costs several times more than it.
+async fn idle_pairs(target: &Target, pid: u32, window: Duration) -> Result<IdleCost, String> {
+    let secs = window.as_secs_f64();
+    let mut cost = IdleCost {
+        masters: Vec::new(),
+        replicas: Vec::new(),
+        callbackd: Vec::new(),
+        running_secs: 0.0,
+        commands: vec![Vec::new(); target.writers().count()],
+    };
+    let ms_per_sec = |a: &Sample, b: &Sample, writers: bool| -> f64 {
+        target
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.serves_writes() == writers)
+            .filter_map(|(i, _)| Some(b.nodes[i]? - a.nodes[i]?))
+            .sum::<f64>()
+            * 1e3
+            / secs
+    };
+    let has_replicas = target.nodes.iter().any(|n| !n.serves_writes());
+    for _ in 0..IDLE_PAIRS {
+        target.reset_stats().await?;
+        let running = Sample::take(target, Some(pid));
+        tokio::time::sleep(window).await;
+        let running_end = Sample::take(target, Some(pid));
+        signal(pid, "-STOP")?;
+        for (node, sum) in target.writers().zip(cost.commands.iter_mut()) {
+            add_stats(sum, command_stats_at(&node.url()).await?);
+        }
+        let stopped = Sample::take(target, None);
+        tokio::time::sleep(window).await;
+        let stopped_end = Sample::take(target, None);
+        signal(pid, "-CONT")?;
+        cost.masters.push(
+            ms_per_sec(&running, &running_end, true) - ms_per_sec(&stopped, &stopped_end, true),
+        );
+        if has_replicas {
+            cost.replicas.push(
+                ms_per_sec(&running, &running_end, false)
+                    - ms_per_sec(&stopped, &stopped_end, false),
+            );
+        }
+        if let (Some(a), Some(b)) = (running.callbackd, running_end.callbackd) {
+            cost.callbackd.push((b - a) * 1e3 / secs);
+        }
+        cost.running_secs += running_end.at.duration_since(running.at).as_secs_f64();
+        tokio::time::sleep(settle_after_resume()).await;
+    }
+    for stats in &mut cost.commands {
+        stats.sort_by_key(|s| std::cmp::Reverse(s.2));
+    }
+    Ok(cost)
+}
+
+/// Adds one reading of `INFO commandstats` to a running sum, command by command.
+fn add_stats(sum: &mut Vec<(String, u64, u64)>, reading: Vec<(String, u64, u64)>) {
+    for (name, calls, usec) in reading {
+        match sum.iter_mut().find(|s| s.0 == name) {
+            Some(s) => {
+                s.1 += calls;
+                s.2 += usec;
+            }
+            None => sum.push((name, calls, usec)),
+        }
+    }
+}
+
+fn signal(pid: u32, which: &str) -> Result<(), String> {
+    let status = std::process::Command::new("kill")
+        .args([which, &pid.to_string()])
+        .status()
+        .map_err(|e| format!("kill {which} {pid}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill {which} {pid}: {status}"))
+    }
 }

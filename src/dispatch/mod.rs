@@ -49,10 +49,13 @@ use hosts::{Admission, HOST_WAIT, Hosts, Slot};
 /// sharing the store, and for retries coming due.
 const IDLE_POLL: Duration = Duration::from_millis(100);
 /// The same, on a store whose work signal ([`Store::work_signal`]) wakes the worker for work
-/// other processes accept: the poll then only finds retries coming due and leases run out,
-/// which are seconds apart anyway, so an idle worker costs the store a claim every 2 s
-/// instead of ten a second (BENCHMARKS.md, "PostgreSQL").
-const SIGNALLED_IDLE_POLL: Duration = Duration::from_secs(2);
+/// other processes accept. The poll then only finds what no process announces: a retry that
+/// another process scheduled (which that process delivers itself while it lives) and a lease
+/// that ran out because its process died (after the lease, tens of seconds). A few seconds
+/// more on either is nothing, while each poll counts every partition: at 5 s an idle worker
+/// costs a 3-master cluster's masters about 0.4 ms of CPU a second, where a 2 s poll cost
+/// about 1 ms (BENCHMARKS.md, "An idle dispatcher in alternating windows").
+pub const SIGNALLED_IDLE_POLL: Duration = Duration::from_secs(5);
 /// Most messages leased in one claim.
 const CLAIM_BATCH: usize = 256;
 

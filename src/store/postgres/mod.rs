@@ -13,7 +13,7 @@
 //!   once.
 //! - **Woken, not polled.** A write that makes work due notifies on commit, and each dispatching
 //!   process listens on one connection of its own, so another process claims new work at once
-//!   and an idle dispatcher polls only every 2 s (`listen.rs`).
+//!   and an idle dispatcher polls only every 5 s (`listen.rs`).
 //! - **One commit for many accepts.** Concurrent accepts share a transaction, each in a
 //!   savepoint, and are answered after its one commit (`batch.rs`), as on SQLite.
 //! - **Retention without bloat.** Finished messages and their history live in one partition

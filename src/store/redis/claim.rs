@@ -42,9 +42,9 @@ use crate::store::{Lease, MessageState, StoreError};
 pub(super) const RECOUNT_MS: Millis = 50;
 
 /// How long what a partition had is trusted while this process hears other processes' work
-/// through its wake-up subscription: the signalled dispatcher's idle poll (2 s). Without it,
+/// through its wake-up subscription: the signalled dispatcher's idle poll (5 s). Without it,
 /// every wake-up of a trickle of work would count all the partitions again.
-pub(super) const HEARD_RECOUNT_MS: Millis = 2_000;
+pub(super) const HEARD_RECOUNT_MS: Millis = 5_000;
 
 /// Most messages a partition is given per turn of a claim's share ([`spread`]). A call of
 /// claim.lua costs Redis about as much for one message as for several (the call, `TIME`, its

@@ -33,7 +33,7 @@
 //!
 //! - **Other processes woken at once.** A script that makes work due publishes on its
 //!   partition's wake channel, and a dispatching store subscribes (`wake.rs`), so an idle
-//!   dispatcher polls every 2 s instead of every 100 ms.
+//!   dispatcher polls every 5 s instead of every 100 ms.
 //!
 //! `commands.rs` builds the script calls of the state changes and decodes their replies,
 //! `reads.rs` answers the reads; both go through the round trips defined here, over the

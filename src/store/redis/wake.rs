@@ -16,12 +16,12 @@
 //!   itself after a failover or a slot move. One server takes `PUBLISH`/`SUBSCRIBE`.
 //! - **Heard work is counted where it was written.** Each message marks its partition for a
 //!   count, and while the subscription is in place the claim trusts what it knows of the
-//!   other partitions for 2 s instead of 50 ms (`claim.rs`), so a trickle of work from other
+//!   other partitions for 5 s instead of 50 ms (`claim.rs`), so a trickle of work from other
 //!   processes does not count every partition at every wake-up.
 //! - **Lost messages are assumed.** A subscription that drops or goes silent (a `PING`
 //!   unanswered within the store timeout) is opened again with backoff, and the moment it
 //!   is back counts as a wake: what was published while it was gone is claimed then. The
-//!   dispatcher's slow poll (2 s) stays as the last bound, also for what no script announces
+//!   dispatcher's slow poll (5 s) stays as the last bound, also for what no script announces
 //!   (a retry another process scheduled, a lease that ran out).
 //! - **A refusal ends it.** A user whose ACL allows no channels (Redis 7 gives new users
 //!   none: the ACL needs `&<prefix>:*`) is told once, and the signal ends, so the dispatcher
