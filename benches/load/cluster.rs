@@ -13,12 +13,12 @@
 
 use std::time::{Duration, Instant};
 
-use callbackd::dispatch::SIGNALLED_IDLE_POLL;
 use callbackd::store::partitions::Partitions;
 use callbackd::store::redis::DEFAULT_KEY_PREFIX;
 
 use crate::daemon::Daemon;
 use crate::dispatch::{Drained, drain, hand_off};
+use crate::idle::{IDLE_PAIRS, idle_window, settle_after_resume, signal, spread};
 use crate::load::{accepted_fresh, ingest_make};
 use crate::load::{closed_loop, percentiles};
 use crate::machine::{cpu_secs_fine, loadavg, machine_busy_secs};
@@ -482,10 +482,6 @@ async fn recorded_partitions(target: &Target) -> Option<u16> {
     None
 }
 
-/// Pairs of windows in the idle measurement: one with the dispatcher running, one with it
-/// stopped.
-const IDLE_PAIRS: usize = 5;
-
 /// What an idle dispatcher costs the Redis processes, as differences between windows with it
 /// running and with it stopped, in ms of CPU per second.
 struct IdleCost {
@@ -516,33 +512,7 @@ impl IdleCost {
     }
 }
 
-/// Mean, and each value, of a few ms/s figures.
-fn spread(values: &[f64]) -> String {
-    let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
-    let each: Vec<String> = values.iter().map(|v| format!("{v:.2}")).collect();
-    format!("mean {mean:.2} ({})", each.join(", "))
-}
-
-/// A window of the idle measurement: at least `secs`, rounded up to whole idle polls, so
-/// that every window holds the same number of polls. A window shorter than the poll would
-/// hold one or none by chance.
-fn idle_window(secs: f64) -> Duration {
-    let poll = SIGNALLED_IDLE_POLL.as_secs_f64();
-    Duration::from_secs_f64((secs / poll).ceil().max(1.0) * poll)
-}
-
-/// How long a resumed dispatcher is left before its window is measured: half its idle poll.
-/// On waking it makes at once the poll it missed while stopped, which would otherwise count
-/// in the window; after it, the polls come a whole poll apart, so a window of whole polls
-/// starting half-way between two holds exactly its number of them.
-fn settle_after_resume() -> Duration {
-    SIGNALLED_IDLE_POLL / 2
-}
-
-/// Alternates windows of `window` with the dispatcher running and stopped (SIGSTOP, so it
-/// keeps its connections and sends nothing): one window with it and one without would measure
-/// the machine's drift between them as much as the dispatcher, since the servers' own idle
-/// work (serverCron, the AOF's fsync, the cluster bus) costs several times more than it.
+/// Alternates windows of `window` with the dispatcher running and stopped (idle.rs).
 async fn idle_pairs(target: &Target, pid: u32, window: Duration) -> Result<IdleCost, String> {
     let secs = window.as_secs_f64();
     let mut cost = IdleCost {
@@ -608,17 +578,5 @@ fn add_stats(sum: &mut Vec<(String, u64, u64)>, reading: Vec<(String, u64, u64)>
             }
             None => sum.push((name, calls, usec)),
         }
-    }
-}
-
-fn signal(pid: u32, which: &str) -> Result<(), String> {
-    let status = std::process::Command::new("kill")
-        .args([which, &pid.to_string()])
-        .status()
-        .map_err(|e| format!("kill {which} {pid}: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("kill {which} {pid}: {status}"))
     }
 }

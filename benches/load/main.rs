@@ -71,6 +71,7 @@ mod daemon;
 mod direct_store;
 mod dispatch;
 mod half_load;
+mod idle;
 mod ingest;
 mod load;
 mod machine;

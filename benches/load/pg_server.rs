@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio_postgres::{Client, NoTls};
 
-use crate::machine::command_output;
+use crate::machine::{command_output, cpu_secs_fine};
 use crate::pg_support::PostgresServer;
 
 pub struct Pg {
@@ -76,6 +76,44 @@ impl Pg {
             }
         }
         Some(total)
+    }
+
+    /// [`Pg::cpu_secs`] with the postmaster's and its live children's time to the nanosecond
+    /// (schedstat), for windows of a few seconds, where clock ticks of 10 ms per process would
+    /// be most of what is measured. What reaped children used (an autovacuum worker that ended
+    /// in the window) is still counted in ticks.
+    pub fn fine_cpu_secs(&self) -> Option<f64> {
+        let postmaster = self.server.pid();
+        let (_, reaped) = stat_times(postmaster)?;
+        let mut total = cpu_secs_fine(Some(postmaster))? + reaped;
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            if let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+                && parent_of(pid) == Some(postmaster)
+            {
+                total += cpu_secs_fine(Some(pid)).unwrap_or(0.0);
+            }
+        }
+        Some(total)
+    }
+
+    /// The backend processes serving database `db` now.
+    pub fn backends_of(&self, db: &str) -> Result<Vec<u32>, String> {
+        let pids = self.server.try_psql(&format!(
+            "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity WHERE datname = '{db}'"
+        ))?;
+        Ok(pids
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect())
+    }
+
+    /// Writes out what earlier phases left dirty (`CHECKPOINT`), so that a measurement of an
+    /// idle server does not take in the checkpoint of the work before it.
+    pub fn checkpoint(&self) -> Result<(), String> {
+        self.server.try_psql("CHECKPOINT").map(|_| ())
     }
 
     /// Statements every database ran so far, from `pg_stat_statements` (top-level calls), or

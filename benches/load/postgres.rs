@@ -19,8 +19,9 @@ use callbackd::store::postgres::PostgresStore;
 
 use crate::daemon::Daemon;
 use crate::direct_store::{bulk_accept, drain, store_cycle};
+use crate::idle::{IDLE_PAIRS, idle_window, settle_after_resume, signal, spread};
 use crate::load::{accepted_fresh, closed_loop, ingest_make, percentiles};
-use crate::machine::{cpu_secs, peak_rss_mib};
+use crate::machine::{cpu_secs, cpu_secs_fine, peak_rss_mib};
 use crate::pg_server::{Pg, connect, sizes};
 use crate::pgbench::{self, Script};
 use crate::{DAY_MS, DEDUPE_TTL_SECS, Env, Report, pg_retention, rate};
@@ -364,52 +365,81 @@ async fn disk_per_callback(env: &Env, pg: &Pg, report: &mut Report) -> Result<()
     Ok(())
 }
 
-/// A dispatching process on an empty store: what its polling costs the server.
+/// A dispatching process on an empty store: what its polling costs the server, in pairs of
+/// windows with it running and stopped (idle.rs).
 async fn idle(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> {
-    let secs = env.plan.pg_idle_secs;
-    eprintln!("  idle dispatcher: {secs} s on an empty store");
+    let window = idle_window(env.plan.pg_idle_secs);
+    let secs = window.as_secs_f64();
+    eprintln!(
+        "  idle dispatcher: {IDLE_PAIRS} pairs of {secs:.0} s, running and stopped, on an empty store"
+    );
     let url = pg.create_db("idle")?;
+    pg.checkpoint()?;
     let mut daemon = Daemon::start(env.dir.path(), "pg-idle", &url, true).await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let (q0, s0, d0) = (
-        pg.statements_so_far(),
-        pg.cpu_secs(),
-        cpu_secs(Some(daemon.pid)),
-    );
-    let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
-    let (q1, s1, d1) = (
-        pg.statements_so_far(),
-        pg.cpu_secs(),
-        cpu_secs(Some(daemon.pid)),
-    );
-    let wall = started.elapsed().as_secs_f64();
+    tokio::time::sleep(settle_after_resume()).await;
+    // The backends serving the dispatcher's connections (its pool and its `LISTEN`), opened
+    // by now: their CPU is the dispatcher's cost to the server to the nanosecond, apart from
+    // the server's own background work, which the running-minus-stopped difference carries.
+    let backends = pg.backends_of("idle")?;
+    let backend_cpu = || -> f64 {
+        backends
+            .iter()
+            .filter_map(|pid| cpu_secs_fine(Some(*pid)))
+            .sum()
+    };
+    let (mut server, mut own, mut served) = (Vec::new(), Vec::new(), Vec::new());
+    // Counted around the pairs, not in them: each count is a `psql`, whose backend's start
+    // would be in a running window's CPU and in no stopped one's. A stopped dispatcher runs
+    // no statement, so the count is that of the running windows.
+    let q0 = pg.statements_so_far();
+    for _ in 0..IDLE_PAIRS {
+        let (s0, d0, b0) = (
+            pg.fine_cpu_secs(),
+            cpu_secs_fine(Some(daemon.pid)),
+            backend_cpu(),
+        );
+        tokio::time::sleep(window).await;
+        let (s1, d1, b1) = (
+            pg.fine_cpu_secs(),
+            cpu_secs_fine(Some(daemon.pid)),
+            backend_cpu(),
+        );
+        served.push((b1 - b0) * 1e3 / secs);
+        signal(daemon.pid, "-STOP")?;
+        let t0 = pg.fine_cpu_secs();
+        tokio::time::sleep(window).await;
+        let t1 = pg.fine_cpu_secs();
+        signal(daemon.pid, "-CONT")?;
+        if let (Some(s0), Some(s1), Some(t0), Some(t1)) = (s0, s1, t0, t1) {
+            server.push(((s1 - s0) - (t1 - t0)) * 1e3 / secs);
+        }
+        if let (Some(d0), Some(d1)) = (d0, d1) {
+            own.push((d1 - d0) * 1e3 / secs);
+        }
+        tokio::time::sleep(settle_after_resume()).await;
+    }
+    let q1 = pg.statements_so_far();
     daemon.stop();
+    let statements = q1.zip(q0).map_or(0, |(b, a)| b.saturating_sub(a));
     let what = if pg.statements {
         "statements"
     } else {
         "transactions"
     };
-    let per_sec = |a: Option<f64>, b: Option<f64>| match (a, b) {
-        (Some(a), Some(b)) => format!("{:.1} ms/s", (b - a) * 1e3 / wall),
-        _ => "?".into(),
-    };
-    let statements = match (q0, q1) {
-        (Some(a), Some(b)) => format!("{:.1} {what}/s", b.saturating_sub(a) as f64 / wall),
-        _ => format!("? {what}/s"),
-    };
-    eprintln!(
-        "  idle: postgres {} / callbackd {} of CPU; {statements}",
-        per_sec(s0, s1),
-        per_sec(d0, d1)
+    // It ran in the measured windows and in the settling after each (idle.rs).
+    let running_secs = (secs + settle_after_resume().as_secs_f64()) * IDLE_PAIRS as f64;
+    let per_sec = statements as f64 / running_secs;
+    let shown = format!(
+        "its {} backends {} / the whole server, running minus stopped, {} / callbackd {}; {per_sec:.1} {what}/s",
+        backends.len(),
+        spread(&served),
+        spread(&server),
+        spread(&own)
     );
+    eprintln!("  idle, ms/s of CPU: {shown}");
     report.row(
-        format!("PostgreSQL idle dispatcher ({wall:.0} s, empty store): server CPU, callbackd CPU, {what}"),
-        format!(
-            "postgres {} / callbackd {} of CPU; {statements}",
-            per_sec(s0, s1),
-            per_sec(d0, d1)
-        ),
+        format!("PostgreSQL idle dispatcher (empty store, {IDLE_PAIRS} pairs of {secs:.0} s, running and stopped): CPU in ms per second of the backends serving it, of the whole server (running minus stopped), of callbackd; {what} per second while running"),
+        shown,
     );
     Ok(())
 }
@@ -422,9 +452,10 @@ async fn backlog(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
     eprintln!(
         "  queue scale: {due_n} due messages, empty store vs {future_n} scheduled a day ahead"
     );
-    let (empty, _) = store(pg, "empty").await?;
-    let (full, _) = store(pg, "backlog").await?;
+    let (empty, empty_url) = store(pg, "empty").await?;
+    let (full, full_url) = store(pg, "backlog").await?;
     let stores = [&empty, &full];
+    let vacuums = [connect(&empty_url).await?, connect(&full_url).await?];
     let tag = &env.run_tag;
     for (i, store) in stores.iter().enumerate() {
         bulk_accept(*store, &format!("{tag}-pw{i}"), 500, 0, &env.sink_url).await?;
@@ -435,6 +466,17 @@ async fn backlog(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
     eprintln!("  {made} future messages in {:.1} s", took.as_secs_f64());
     let mut cycles: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     let mut server = [0.0f64; 2];
+    let mut vacuum_secs = [0.0f64; 2];
+    // The churn of one side's round is vacuumed before the other side runs, and charged to
+    // the side that made it: left to autovacuum, the vacuum of the backlog's live partition
+    // (50,000 rows and more, past its 2% threshold every round) ran while the empty side was
+    // measured, and the server's CPU, read for the whole server, put it on the empty side.
+    for client in &vacuums {
+        client
+            .batch_execute("VACUUM")
+            .await
+            .map_err(|e| format!("VACUUM: {e}"))?;
+    }
     let rounds = if plan.quick { 3 } else { 5 };
     for round in 0..rounds {
         let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -450,6 +492,12 @@ async fn backlog(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
             .await?;
             let s0 = pg.cpu_secs().unwrap_or(0.0);
             let (cycle, cycled) = store_cycle(store, due_n).await?;
+            let vacuum_started = Instant::now();
+            vacuums[side]
+                .batch_execute("VACUUM")
+                .await
+                .map_err(|e| format!("VACUUM: {e}"))?;
+            vacuum_secs[side] += vacuum_started.elapsed().as_secs_f64();
             server[side] += pg.cpu_secs().unwrap_or(0.0) - s0;
             if cycled < due_n {
                 return Err(format!("postgres store cycle claimed {cycled} of {due_n}"));
@@ -486,9 +534,16 @@ async fn backlog(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
         Some((ratio - 1.0).abs() < 0.10),
     );
     let per = |side: usize| server[side] * 1e6 / (rounds as f64 * due_n as f64);
+    let vacuum_per = |side: usize| vacuum_secs[side] * 1e6 / (rounds as f64 * due_n as f64);
     report.row(
-        "PostgreSQL CPU per claimed + completed message, empty → future-scheduled",
-        format!("{:.0} µs → {:.0} µs", per(0), per(1)),
+        "PostgreSQL CPU per claimed + completed message with the VACUUM after its round, empty → future-scheduled; the VACUUM's wall time per message",
+        format!(
+            "{:.0} µs → {:.0} µs; VACUUM {:.0} µs → {:.0} µs",
+            per(0),
+            per(1),
+            vacuum_per(0),
+            vacuum_per(1)
+        ),
     );
     Ok(())
 }
