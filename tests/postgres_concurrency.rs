@@ -506,6 +506,53 @@ async fn a_retry_this_process_scheduled_is_made_on_time_despite_the_slow_poll() 
     );
 }
 
+/// Two retries this process scheduled, due at different times: each is made on time, the
+/// later too (a dispatcher that remembered only the earliest found the later one at its idle
+/// poll, seconds late).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_retries_this_process_scheduled_are_each_made_on_time() {
+    let db = PostgresServer::shared().fresh_database();
+    // The first attempt of each callback fails; each retry is due 400 ms after its failure,
+    // so the second failure is noted before the first retry is due, however slow the machine.
+    let sink =
+        Sink::start(|_, n| support::sink::Reply::status(if n < 2 { 500 } else { 204 })).await;
+    let forward = format!("{}/forward", sink.url);
+    let mut cfg = config(&db, Some(&forward));
+    cfg.dispatch.initial_backoff_ms = 400;
+    let server = TestServer::start(cfg).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut failed = Vec::new();
+    for (i, tx) in ["tx-retry-a", "tx-retry-b"].iter().enumerate() {
+        let body = format!(r#"{{"id":"{tx}","status":"PAID","amount":1}}"#);
+        assert_eq!(
+            server.post_callback("payzu", &body, None).await.status(),
+            200
+        );
+        eventually(10, "the first attempt", || async {
+            (sink.count() > i).then_some(())
+        })
+        .await;
+        failed.push(Instant::now());
+        // The second failure is noted after the first retry's time, and before it is due.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut made = Vec::new();
+    for n in [3, 4] {
+        eventually(10, "a retry", || async {
+            (sink.count() >= n).then_some(())
+        })
+        .await;
+        made.push(Instant::now());
+    }
+    for (i, (failed, made)) in failed.iter().zip(&made).enumerate() {
+        let took = made.duration_since(*failed);
+        assert!(
+            took < Duration::from_millis(1500),
+            "retry {i}, due 400 ms after its failure, was made {took:?} after it (the idle poll is 5 s)"
+        );
+    }
+}
+
 /// Claimers racing completers: a complete that finishes a message moves its row to the day
 /// partition, and a concurrent claim whose scan had seen that row due fails to lock it with
 /// `40001` ("already moved to another partition") instead of skipping it. The claim tries

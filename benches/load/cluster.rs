@@ -534,19 +534,27 @@ async fn idle_pairs(target: &Target, pid: u32, window: Duration) -> Result<IdleC
             / secs
     };
     let has_replicas = target.nodes.iter().any(|n| !n.serves_writes());
+    // One poll's time first, so the first window does not take in the drain's tail.
+    tokio::time::sleep(idle_window(0.0)).await;
     for _ in 0..IDLE_PAIRS {
         target.reset_stats().await?;
         let running = Sample::take(target, Some(pid));
         tokio::time::sleep(window).await;
         let running_end = Sample::take(target, Some(pid));
         signal(pid, "-STOP")?;
-        for (node, sum) in target.writers().zip(cost.commands.iter_mut()) {
-            add_stats(sum, command_stats_at(&node.url()).await?);
+        let mut readings = Vec::new();
+        for node in target.writers() {
+            readings.push(command_stats_at(&node.url()).await);
         }
         let stopped = Sample::take(target, None);
         tokio::time::sleep(window).await;
         let stopped_end = Sample::take(target, None);
+        // Resumed before any error is returned: a dispatcher left stopped would only be
+        // killed when the phase drops it, with its log unread.
         signal(pid, "-CONT")?;
+        for (reading, sum) in readings.into_iter().zip(cost.commands.iter_mut()) {
+            add_stats(sum, reading?);
+        }
         cost.masters.push(
             ms_per_sec(&running, &running_end, true) - ms_per_sec(&stopped, &stopped_end, true),
         );

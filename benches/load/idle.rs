@@ -46,10 +46,13 @@ pub fn signal(pid: u32, which: &str) -> Result<(), String> {
 /// Median, mean and each value of a few per-second figures: the median, because one window
 /// may take in a server's own burst (a checkpoint, an autovacuum) that the mean would carry.
 pub fn spread(values: &[f64]) -> String {
-    let mean = values.iter().sum::<f64>() / values.len().max(1) as f64;
+    if values.is_empty() {
+        return "n/a".into();
+    }
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    let median = sorted[sorted.len() / 2];
     let each: Vec<String> = values.iter().map(|v| format!("{v:.2}")).collect();
     format!("median {median:.2}, mean {mean:.2} ({})", each.join(", "))
 }

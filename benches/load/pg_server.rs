@@ -99,10 +99,11 @@ impl Pg {
         Some(total)
     }
 
-    /// The backend processes serving database `db` now.
+    /// The client backends serving database `db` now (not an autovacuum worker there).
     pub fn backends_of(&self, db: &str) -> Result<Vec<u32>, String> {
         let pids = self.server.try_psql(&format!(
-            "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity WHERE datname = '{db}'"
+            "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity \
+             WHERE datname = '{db}' AND backend_type = 'client backend'"
         ))?;
         Ok(pids
             .split_whitespace()

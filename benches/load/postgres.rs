@@ -374,25 +374,28 @@ async fn idle(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> {
         "  idle dispatcher: {IDLE_PAIRS} pairs of {secs:.0} s, running and stopped, on an empty store"
     );
     let url = pg.create_db("idle")?;
-    pg.checkpoint()?;
     let mut daemon = Daemon::start(env.dir.path(), "pg-idle", &url, true).await?;
+    // A poll's time for its start (the layout written, the pool and `LISTEN` opened), then
+    // its writes and the earlier phases' flushed, so the first window takes in neither.
+    tokio::time::sleep(idle_window(0.0)).await;
+    pg.checkpoint()?;
     tokio::time::sleep(settle_after_resume()).await;
     // The backends serving the dispatcher's connections (its pool and its `LISTEN`), opened
     // by now: their CPU is the dispatcher's cost to the server to the nanosecond, apart from
     // the server's own background work, which the running-minus-stopped difference carries.
     let backends = pg.backends_of("idle")?;
-    let backend_cpu = || -> f64 {
+    let backend_cpu = || -> Vec<Option<f64>> {
         backends
             .iter()
-            .filter_map(|pid| cpu_secs_fine(Some(*pid)))
-            .sum()
+            .map(|pid| cpu_secs_fine(Some(*pid)))
+            .collect()
     };
     let (mut server, mut own, mut served) = (Vec::new(), Vec::new(), Vec::new());
-    // Counted around the pairs, not in them: each count is a `psql`, whose backend's start
-    // would be in a running window's CPU and in no stopped one's. A stopped dispatcher runs
-    // no statement, so the count is that of the running windows.
-    let q0 = pg.statements_so_far();
+    let mut statements = 0;
     for _ in 0..IDLE_PAIRS {
+        // Each count is a `psql` of its own, read just outside the running window (before it,
+        // and once the dispatcher is stopped), so it counts the window's statements only.
+        let q0 = pg.statements_so_far();
         let (s0, d0, b0) = (
             pg.fine_cpu_secs(),
             cpu_secs_fine(Some(daemon.pid)),
@@ -404,31 +407,35 @@ async fn idle(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> {
             cpu_secs_fine(Some(daemon.pid)),
             backend_cpu(),
         );
-        served.push((b1 - b0) * 1e3 / secs);
         signal(daemon.pid, "-STOP")?;
+        let q1 = pg.statements_so_far();
         let t0 = pg.fine_cpu_secs();
         tokio::time::sleep(window).await;
         let t1 = pg.fine_cpu_secs();
         signal(daemon.pid, "-CONT")?;
+        // Only the backends there at both ends: one that ended meanwhile took its time along.
+        let backends_secs: f64 = b0
+            .iter()
+            .zip(&b1)
+            .filter_map(|(a, b)| Some(b.as_ref()? - a.as_ref()?))
+            .sum();
+        served.push(backends_secs * 1e3 / secs);
         if let (Some(s0), Some(s1), Some(t0), Some(t1)) = (s0, s1, t0, t1) {
             server.push(((s1 - s0) - (t1 - t0)) * 1e3 / secs);
         }
         if let (Some(d0), Some(d1)) = (d0, d1) {
             own.push((d1 - d0) * 1e3 / secs);
         }
+        statements += q1.zip(q0).map_or(0, |(b, a)| b.saturating_sub(a));
         tokio::time::sleep(settle_after_resume()).await;
     }
-    let q1 = pg.statements_so_far();
     daemon.stop();
-    let statements = q1.zip(q0).map_or(0, |(b, a)| b.saturating_sub(a));
     let what = if pg.statements {
         "statements"
     } else {
         "transactions"
     };
-    // It ran in the measured windows and in the settling after each (idle.rs).
-    let running_secs = (secs + settle_after_resume().as_secs_f64()) * IDLE_PAIRS as f64;
-    let per_sec = statements as f64 / running_secs;
+    let per_sec = statements as f64 / (secs * IDLE_PAIRS as f64);
     let shown = format!(
         "its {} backends {} / the whole server, running minus stopped, {} / callbackd {}; {per_sec:.1} {what}/s",
         backends.len(),

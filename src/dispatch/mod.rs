@@ -21,7 +21,7 @@ pub use board::{HeldHost, HostBoard};
 pub use gate::{GateState, HoldReason};
 
 use crate::clock::Millis;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -58,6 +58,10 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 pub const SIGNALLED_IDLE_POLL: Duration = Duration::from_secs(5);
 /// Most messages leased in one claim.
 const CLAIM_BATCH: usize = 256;
+/// Most distinct retry times a dispatcher keeps to wake for (`next_retries`): 8 bytes each in
+/// a B-tree, so a burst of failures costs a bounded few tens of KB; a retry past them waits
+/// for the idle poll at most.
+const NOTED_RETRIES: usize = 4096;
 
 pub struct Dispatcher {
     store: Arc<dyn Store>,
@@ -82,11 +86,11 @@ pub struct Dispatcher {
     /// Claims being delivered, so shutdown can hand their leases back.
     in_flight: Mutex<HashMap<String, Lease>>,
     wake: Arc<Notify>,
-    /// The earliest retry this process scheduled and has not claimed since: on a signalled
-    /// store, whose idle poll is slow, the worker wakes for it on time rather than up to a
-    /// poll late. Retries other processes schedule, and later ones of this process, are
-    /// found by the poll.
-    next_retry: Mutex<Option<Millis>>,
+    /// When the retries this process scheduled (or gave back) come due, earliest first: on a
+    /// signalled store, whose idle poll is slow, the worker wakes for each on time rather than
+    /// up to a poll late. At most [`NOTED_RETRIES`] distinct times are kept, the earliest;
+    /// retries past them, and those other processes schedule, are found by the poll.
+    next_retries: Mutex<BTreeSet<Millis>>,
     /// Where dead letters are announced (`[alerts]`), if anywhere.
     alerts: Option<Alerts>,
     /// This process's count of deaths per alert window: which get an alert of their own, and
@@ -146,7 +150,7 @@ impl Dispatcher {
             sources: settings.sources.clone(),
             in_flight: Mutex::new(HashMap::new()),
             wake,
-            next_retry: Mutex::new(None),
+            next_retries: Mutex::new(BTreeSet::new()),
             budget: Mutex::new(
                 alerts
                     .as_ref()
@@ -324,26 +328,30 @@ impl Dispatcher {
 
     /// Notes that a message this process gave back or rescheduled is due at `at`.
     fn retry_at(&self, at: Millis) {
-        if let Ok(mut next) = self.next_retry.lock() {
-            *next = Some(next.map_or(at, |next| next.min(at)));
+        if let Ok(mut next) = self.next_retries.lock() {
+            next.insert(at);
+            if next.len() > NOTED_RETRIES {
+                next.pop_last();
+            }
         }
     }
 
-    /// How long until the earliest retry this process scheduled; zero (once) when it is due,
-    /// since the claim just made may have run a moment before it.
+    /// How long until the earliest retry this process scheduled; zero (once for all that
+    /// came due) when one is due, since the claim just made may have run a moment before it.
     fn until_next_retry(&self) -> Duration {
-        let Ok(mut next) = self.next_retry.lock() else {
+        let Ok(mut next) = self.next_retries.lock() else {
             return Duration::ZERO;
-        };
-        let Some(at) = *next else {
-            return Duration::MAX;
         };
         let now = self.clock.now_ms();
-        if at <= now {
-            *next = None;
+        let later = next.split_off(&now.saturating_add(1));
+        let any_due = !next.is_empty();
+        *next = later;
+        if any_due {
             return Duration::ZERO;
         }
-        Duration::from_millis(u64::try_from(at - now).unwrap_or(u64::MAX))
+        next.first().map_or(Duration::MAX, |at| {
+            Duration::from_millis(u64::try_from(at - now).unwrap_or(u64::MAX))
+        })
     }
 
     /// Claims and delivers everything due at the clock's current time, and waits for it.

@@ -42,9 +42,11 @@ use crate::store::{Lease, MessageState, StoreError};
 pub(super) const RECOUNT_MS: Millis = 50;
 
 /// How long what a partition had is trusted while this process hears other processes' work
-/// through its wake-up subscription: the signalled dispatcher's idle poll (5 s). Without it,
-/// every wake-up of a trickle of work would count all the partitions again.
-pub(super) const HEARD_RECOUNT_MS: Millis = 5_000;
+/// through its wake-up subscription: a little under the signalled dispatcher's idle poll
+/// (5 s, `dispatch::SIGNALLED_IDLE_POLL`), so that what was learnt at one poll is stale at
+/// the next even when the lease clock (a cluster node's `TIME`) runs a little behind. Without
+/// it, every wake-up of a trickle of work would count all the partitions again.
+pub(super) const HEARD_RECOUNT_MS: Millis = 4_500;
 
 /// Most messages a partition is given per turn of a claim's share ([`spread`]). A call of
 /// claim.lua costs Redis about as much for one message as for several (the call, `TIME`, its

@@ -16,8 +16,8 @@
 //!   itself after a failover or a slot move. One server takes `PUBLISH`/`SUBSCRIBE`.
 //! - **Heard work is counted where it was written.** Each message marks its partition for a
 //!   count, and while the subscription is in place the claim trusts what it knows of the
-//!   other partitions for 5 s instead of 50 ms (`claim.rs`), so a trickle of work from other
-//!   processes does not count every partition at every wake-up.
+//!   other partitions for 4.5 s (under the 5 s poll) instead of 50 ms (`claim.rs`), so a
+//!   trickle of work from other processes does not count every partition at every wake-up.
 //! - **Lost messages are assumed.** A subscription that drops or goes silent (a `PING`
 //!   unanswered within the store timeout) is opened again with backoff, and the moment it
 //!   is back counts as a wake: what was published while it was gone is claimed then. The
