@@ -50,8 +50,8 @@ level = "warn"
 signature = "none"
 forward_url = "http://127.0.0.1:9/events"
 allow_private_forward_url = true
-# Three sources, as a deployment with several providers has: a `transactionId` without
-# `source` then names the transaction in every one of them.
+# Three sources, as a deployment with several providers has: a transactionId without
+# source then names the transaction in every one of them.
 [sources.second]
 signature = "none"
 forward_url = "http://127.0.0.1:9/events"
