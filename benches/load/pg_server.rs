@@ -60,22 +60,11 @@ impl Pg {
     pub fn cpu_secs(&self) -> Option<f64> {
         let postmaster = self.server.pid();
         let (own, reaped) = stat_times(postmaster)?;
-        let mut total = own + reaped;
-        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if parent_of(pid) == Some(postmaster)
-                && let Some((own, _)) = stat_times(pid)
-            {
-                total += own;
-            }
-        }
-        Some(total)
+        let children: f64 = children_of(postmaster)?
+            .into_iter()
+            .filter_map(|pid| Some(stat_times(pid)?.0))
+            .sum();
+        Some(own + reaped + children)
     }
 
     /// [`Pg::cpu_secs`] with the postmaster's and its live children's time to the nanosecond
@@ -85,18 +74,11 @@ impl Pg {
     pub fn fine_cpu_secs(&self) -> Option<f64> {
         let postmaster = self.server.pid();
         let (_, reaped) = stat_times(postmaster)?;
-        let mut total = cpu_secs_fine(Some(postmaster))? + reaped;
-        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-            if let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-                && parent_of(pid) == Some(postmaster)
-            {
-                total += cpu_secs_fine(Some(pid)).unwrap_or(0.0);
-            }
-        }
-        Some(total)
+        let children: f64 = children_of(postmaster)?
+            .into_iter()
+            .filter_map(|pid| cpu_secs_fine(Some(pid)))
+            .sum();
+        Some(cpu_secs_fine(Some(postmaster))? + reaped + children)
     }
 
     /// The client backends serving database `db` now (not an autovacuum worker there).
@@ -194,6 +176,18 @@ fn stat_times(pid: u32) -> Option<(f64, f64)> {
         (f.get(11)? + f.get(12)?) / ticks,
         (f.get(13)? + f.get(14)?) / ticks,
     ))
+}
+
+/// The live processes whose parent is `parent`.
+fn children_of(parent: u32) -> Option<Vec<u32>> {
+    Some(
+        std::fs::read_dir("/proc")
+            .ok()?
+            .flatten()
+            .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| parent_of(*pid) == Some(parent))
+            .collect(),
+    )
 }
 
 fn parent_of(pid: u32) -> Option<u32> {
