@@ -142,7 +142,7 @@ async fn a_commit_the_synchronous_standby_does_not_acknowledge_waits_until_cance
     let waiting = || {
         primary.psql(
             "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event = 'SyncRep' AND application_name = 'callbackd'",
+             WHERE wait_event = 'SyncRep' AND application_name LIKE 'callbackd%'",
         )
     };
 
@@ -174,7 +174,7 @@ async fn a_commit_the_synchronous_standby_does_not_acknowledge_waits_until_cance
     let cancelled = primary.psql(
         "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM \
          (SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep' \
-          AND application_name = 'callbackd' AND pid <> pg_backend_pid() OFFSET 0) waiting",
+          AND application_name LIKE 'callbackd%' AND pid <> pg_backend_pid() OFFSET 0) waiting",
     );
     assert_eq!(cancelled, "1");
     // Locally committed, not replicated: its replay waits for the standby as the first did.

@@ -194,17 +194,26 @@ async fn two_processes_starting_at_once_migrate_once() {
     );
 }
 
+/// Layout 4 undone: what `migrations/0004_compact_records.sql` changed, put back as layout 3
+/// had it (on a database whose rows all keep `message_json`).
+const UNDO_LAYOUT_4: &str = "DROP INDEX messages_by_state, messages_live_by_source; \
+    ALTER TABLE messages DROP COLUMN record; \
+    ALTER TABLE messages ALTER COLUMN message_json SET NOT NULL; \
+    CREATE INDEX messages_by_state ON messages (state, id); \
+    CREATE INDEX messages_by_source ON messages (source, id) WHERE source IS NOT NULL; \
+    DELETE FROM callbackd_layout WHERE version = 4;";
+
 /// A database of layout 1 (the first release's: layouts 2 and 3 only added tables, so this one
-/// is the newest layout with those undone) is brought to the newest layout in place: its
-/// messages stay as they were, and completions are counted from then on.
+/// is the newest layout with those and layout 4 undone) is brought to the newest layout in
+/// place: its messages stay as they were, and completions are counted from then on.
 #[tokio::test]
 async fn a_layout_1_database_gains_the_delivery_counts_and_keeps_its_rows() {
     let server = PostgresServer::start();
     drop(migrated(&server).await);
-    server.psql(
-        "DROP TABLE delivery_counts, inbound_counts, recoveries; \
-         DELETE FROM callbackd_layout WHERE version >= 2",
-    );
+    server.psql(&format!(
+        "{UNDO_LAYOUT_4} DROP TABLE delivery_counts, inbound_counts, recoveries; \
+         DELETE FROM callbackd_layout WHERE version >= 2"
+    ));
     let client = raw_client(&server).await;
     let kept = message("src/payzu/tx-1", Some("payzu"), T0);
     insert_message(&client, &kept, MessageState::Pending, None, &[]).await;
@@ -240,17 +249,17 @@ async fn a_layout_1_database_gains_the_delivery_counts_and_keeps_its_rows() {
 }
 
 /// A database of layout 2 (the per-minute counts' release: layout 3 only added
-/// `inbound_counts` and `recoveries`) is brought to layout 3 in place: what it held stays,
-/// inbound accepts are counted from then on and recoveries are kept.
+/// `inbound_counts` and `recoveries`) is brought to the newest layout in place: what it held
+/// stays, inbound accepts are counted from then on and recoveries are kept.
 #[tokio::test]
 async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
-    assert_eq!(LAYOUT_VERSION, 3);
     let server = PostgresServer::start();
     drop(migrated(&server).await);
-    server.psql(
-        "DROP TABLE inbound_counts, recoveries; DELETE FROM callbackd_layout WHERE version = 3; \
-         INSERT INTO delivery_counts (minute, slot, deliveries) VALUES (0, 0, 7)",
-    );
+    server.psql(&format!(
+        "{UNDO_LAYOUT_4} DROP TABLE inbound_counts, recoveries; \
+         DELETE FROM callbackd_layout WHERE version = 3; \
+         INSERT INTO delivery_counts (minute, slot, deliveries) VALUES (0, 0, 7)"
+    ));
     let client = raw_client(&server).await;
     let kept = message("src/payzu/tx-1", Some("payzu"), T0);
     insert_message(&client, &kept, MessageState::Pending, None, &[]).await;
@@ -261,7 +270,7 @@ async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
     assert_eq!(store.migrate().await.unwrap(), 2, "found layout 2");
     assert_eq!(
         server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
-        "1,2,3"
+        "1,2,3,4"
     );
     assert_eq!(
         server.psql("SELECT sum(deliveries) FROM delivery_counts"),
@@ -288,6 +297,57 @@ async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
     };
     store.save_recovery(&recovery, T0).await.unwrap();
     assert_eq!(store.recoveries(T0).await.unwrap(), [recovery]);
+}
+
+/// A database of layout 3 that a process of layout 3 still uses is not brought to layout 4,
+/// whose rows that process could not read: the start names the connection and changes
+/// nothing. Once that process is gone, the upgrade runs.
+#[tokio::test]
+async fn a_database_in_use_by_an_older_callbackd_is_not_upgraded_under_it() {
+    assert_eq!(LAYOUT_VERSION, 4);
+    let server = PostgresServer::start();
+    server.create_database("v3");
+    server.psql_db("v3", include_str!("fixtures/postgres_v3.sql"));
+    let url = server.url_db("v3");
+    let (older, connection) = tokio_postgres::connect(
+        &format!("{url}?application_name=callbackd"),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .expect("a connection as a layout-3 process makes it");
+    let older_task = tokio::spawn(connection);
+    older.simple_query("SELECT 1").await.unwrap();
+    let mut store = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS)
+        .await
+        .unwrap();
+    let Err(StoreError::Incompatible(why)) = store.migrate().await else {
+        panic!("upgraded under a layout-3 process");
+    };
+    assert!(
+        why.contains("layout version 3")
+            && why.contains("1 connection(s) of an older callbackd")
+            && why.contains("stop every older callbackd"),
+        "{why}"
+    );
+    let layout = "SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout";
+    assert_eq!(server.psql_db("v3", layout), "1,2,3", "nothing changed");
+
+    drop(older);
+    older_task.await.unwrap().unwrap();
+    let gone = Instant::now();
+    while server.psql_db(
+        "v3",
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'callbackd'",
+    ) != "0"
+    {
+        assert!(
+            gone.elapsed() < Duration::from_secs(10),
+            "the older process stays"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(store.migrate().await.unwrap(), 3);
+    assert_eq!(server.psql_db("v3", layout), "1,2,3,4");
 }
 
 #[tokio::test]

@@ -4604,6 +4604,132 @@ mod sqlite_only {
     }
 }
 
+mod postgres_only {
+    use super::*;
+
+    /// Columns and indexes of `db`'s tables, day partitions left out (a new database has none).
+    fn describe(server: &PostgresServer, db: &str) -> String {
+        server.psql_db(
+            db,
+            "SELECT string_agg(x, E'\\n' ORDER BY x) FROM ( \
+               SELECT format('%s.%s %s %s %s', table_name, column_name, data_type, \
+                             is_nullable, coalesce(column_default, '')) AS x \
+               FROM information_schema.columns \
+               WHERE table_schema = 'public' AND table_name !~ '_d[0-9]+$' \
+               UNION ALL SELECT indexdef FROM pg_indexes \
+               WHERE schemaname = 'public' AND tablename !~ '_d[0-9]+$') described",
+        )
+    }
+
+    /// Layout 3, written by the PostgreSQL store of commit 800f655 (tests/fixtures/
+    /// make_postgres_v3.rs), brought to layout 4 in place: no row is rewritten (each keeps
+    /// its JSON text and is read as it is), the story goes on, a new message keeps its record
+    /// compressed in `record` and reads back byte for byte, and the tables and indexes are a
+    /// new database's.
+    #[tokio::test]
+    async fn a_third_layout_postgres_store_is_upgraded_in_place() {
+        let server = PostgresServer::shared();
+        let url = server.fresh_database();
+        let db = url.rsplit('/').next().expect("a database").to_string();
+        server.psql_db(&db, include_str!("fixtures/postgres_v3.sql"));
+        assert_eq!(server.psql_db(&db, "SELECT count(*) FROM messages"), "11");
+        let mut store = PostgresStore::connect(&url, Duration::from_secs(5), RETENTION_SECS)
+            .await
+            .unwrap()
+            .with_caller_clock_leases();
+        assert_eq!(store.migrate().await.unwrap(), 3, "found layout 3");
+        assert_eq!(
+            server.psql_db(
+                &db,
+                "SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"
+            ),
+            "1,2,3,4"
+        );
+        assert_eq!(
+            server.psql_db(
+                &db,
+                "SELECT count(*) FILTER (WHERE record IS NULL AND message_json IS NOT NULL) \
+                 FROM messages"
+            ),
+            "11",
+            "nothing rewritten"
+        );
+        let h = Harness {
+            store: std::sync::Arc::new(store),
+            backend: Backend::Postgres { db: db.clone() },
+        };
+        let s = h.s();
+        the_release_fixture_goes_on(s, "pg3").await;
+
+        // A new message's record is kept compressed, and read back byte for byte.
+        let now = T0 + 10_000;
+        let body = serde_json::json!({
+            "paymentId": "pay-after-upgrade",
+            "status": "approved",
+            "items": (0..20)
+                .map(|i| serde_json::json!({"sku": format!("sku-{i}"), "quantity": 1}))
+                .collect::<Vec<_>>(),
+        })
+        .to_string();
+        let mut fresh = NewMessage {
+            body: body.clone(),
+            ..new_message("pg4/after-upgrade", now)
+        };
+        fresh.id = MessageId::generate(now, &fresh.ordering_key, s.partitions());
+        let id = fresh.id.clone();
+        let json_len = serde_json::to_string(&fresh).unwrap().len();
+        assert_eq!(
+            s.accept(request("claim/pg4/after-upgrade", fresh), now)
+                .await
+                .unwrap(),
+            AcceptOutcome::Accepted
+        );
+        let stored = server.psql_db(
+            &db,
+            &format!(
+                "SELECT octet_length(record), message_json IS NULL FROM messages WHERE id = '{id}'"
+            ),
+        );
+        let (record_len, no_json) = stored.split_once('|').expect("one row");
+        let record_len: usize = record_len.parse().unwrap();
+        assert!(
+            record_len * 2 < json_len && no_json == "t",
+            "{record_len} bytes stored for {json_len} bytes of JSON ({stored})"
+        );
+        assert_eq!(get(s, &id).await.message.body.as_bytes(), body.as_bytes());
+        let leases = s.claim_due(now, 100, LEASE_MS).await.unwrap();
+        let lease = leases
+            .iter()
+            .find(|l| l.message.id == id)
+            .expect("the new message is due");
+        assert_eq!(lease.message.body.as_bytes(), body.as_bytes());
+        assert!(complete(s, lease, Completion::Delivered, now).await);
+        let delivered = list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                state: Some(MessageState::Delivered),
+                ..Default::default()
+            },
+        )
+        .await;
+        assert!(
+            delivered.iter().any(|r| r.message.id == id),
+            "listed among the delivered: {delivered:?}"
+        );
+
+        let new = PostgresServer::shared().fresh_database();
+        let new_db = new.rsplit('/').next().expect("a database").to_string();
+        PostgresStore::connect(&new, Duration::from_secs(5), RETENTION_SECS)
+            .await
+            .unwrap()
+            .migrate()
+            .await
+            .unwrap();
+        assert_eq!(describe(server, &db), describe(server, &new_db));
+    }
+}
+
 /// A recorded message (nothing to deliver) is kept for the message retention, like a finished
 /// one, even when its dedupe claim lives shorter: the claim ends, the record stays listable.
 async fn a_recorded_message_is_kept_for_the_retention_not_its_claim_ttl(h: &Harness) {

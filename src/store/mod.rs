@@ -28,6 +28,7 @@ mod message;
 mod operations;
 pub mod partitions;
 pub mod postgres;
+mod record;
 pub mod recoveries;
 pub mod redis;
 pub mod retention;

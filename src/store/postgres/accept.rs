@@ -20,7 +20,7 @@ use super::locks::{Lock, lock_all};
 use crate::clock::Millis;
 use crate::payment::PaymentStatus;
 use crate::store::lifecycle::{self, AcceptDecision, AcceptRead, Lifetimes, LiveClaim};
-use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored};
+use crate::store::{AcceptOutcome, AcceptRequest, StoreError, fingerprint_from_stored, record};
 
 /// [`accept_batch`] as the batcher runs it.
 pub(super) fn run_accepts<'a>(
@@ -247,11 +247,11 @@ async fn accept_locked(
             "the partition of day {day} of finished messages is missing; it is created on retry"
         )));
     }
-    let message_json = serde_json::to_string(msg).map_err(corrupt)?;
+    let record = record::encode(msg)?;
     let insert_message = tx
         .prepare_cached(
             "INSERT INTO messages \
-             (id, end_day, message_json, source, ordering_key, state, deadline, ends_at) \
+             (id, end_day, record, source, ordering_key, state, deadline, ends_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .await
@@ -261,7 +261,7 @@ async fn accept_locked(
         &[
             &msg.id.as_str(),
             &day,
-            &message_json,
+            &record,
             &msg.source.as_deref(),
             &msg.ordering_key,
             &start.state.as_str(),

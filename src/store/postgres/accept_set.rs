@@ -25,6 +25,7 @@ use crate::store::lifecycle::{
 };
 use crate::store::{
     AcceptOutcome, AcceptRequest, Arrival, InboundCount, StoreError, fingerprint_from_stored,
+    record,
 };
 
 /// One accept of a batch: the request, the caller's time, the store's lifetimes.
@@ -140,7 +141,7 @@ impl ArrivalColumns {
 struct MessageRow {
     id: String,
     end_day: i32,
-    json: String,
+    record: Vec<u8>,
     source: Option<String>,
     ordering_key: String,
     state: &'static str,
@@ -295,7 +296,7 @@ fn record(
             "the partition of day {day} of finished messages is missing; it is created on retry"
         )));
     }
-    let json = serde_json::to_string(msg).map_err(corrupt)?;
+    let record = record::encode(msg)?;
     if let (Some(p), Some((status, ends_at))) = (&req.payment, plan.payment) {
         overlay
             .payments
@@ -334,7 +335,7 @@ fn record(
     writes.messages.push(MessageRow {
         id: msg.id.as_str().to_string(),
         end_day: day,
-        json,
+        record,
         source: msg.source.as_ref().map(|s| s.to_string()),
         ordering_key: msg.ordering_key.clone(),
         state: plan.message.state.as_str(),
@@ -380,7 +381,7 @@ async fn write(tx: &Transaction<'_>, writes: Writes) -> Result<(), StoreError> {
     let m = &writes.messages;
     let ids: Vec<&str> = m.iter().map(|r| r.id.as_str()).collect();
     let end_days: Vec<i32> = m.iter().map(|r| r.end_day).collect();
-    let jsons: Vec<&str> = m.iter().map(|r| r.json.as_str()).collect();
+    let records: Vec<&[u8]> = m.iter().map(|r| r.record.as_slice()).collect();
     let sources: Vec<Option<&str>> = m.iter().map(|r| r.source.as_deref()).collect();
     let keys: Vec<&str> = m.iter().map(|r| r.ordering_key.as_str()).collect();
     let states: Vec<&str> = m.iter().map(|r| r.state).collect();
@@ -402,13 +403,13 @@ async fn write(tx: &Transaction<'_>, writes: Writes) -> Result<(), StoreError> {
                SELECT * FROM unnest($8::text[], $9::text[], $10::int8[]) \
                ON CONFLICT (key) DO UPDATE SET response = excluded.response, \
                expires_at = excluded.expires_at), \
-             new_messages AS (SELECT * FROM unnest($11::text[], $12::int4[], $13::text[], \
+             new_messages AS (SELECT * FROM unnest($11::text[], $12::int4[], $13::bytea[], \
                $14::text[], $15::text[], $16::text[], $17::int8[], $18::int8[], $19::int8[], \
-               $20::bool[]) WITH ORDINALITY AS m (id, end_day, message_json, source, \
+               $20::bool[]) WITH ORDINALITY AS m (id, end_day, record, source, \
                ordering_key, state, deadline, ends_at, due_at, queued, n)), \
-             message_rows AS (INSERT INTO messages (id, end_day, message_json, source, \
+             message_rows AS (INSERT INTO messages (id, end_day, record, source, \
                ordering_key, state, deadline, ends_at, due_at) \
-               SELECT id, end_day, message_json, source, ordering_key, state, deadline, \
+               SELECT id, end_day, record, source, ordering_key, state, deadline, \
                ends_at, due_at FROM new_messages), \
              queue_rows AS (INSERT INTO queue (ordering_key, id) \
                SELECT ordering_key, id FROM new_messages WHERE queued ORDER BY n), \
@@ -433,7 +434,7 @@ async fn write(tx: &Transaction<'_>, writes: Writes) -> Result<(), StoreError> {
             &seal_ends,
             &ids,
             &end_days,
-            &jsons,
+            &records,
             &sources,
             &keys,
             &states,

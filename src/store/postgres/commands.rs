@@ -15,13 +15,13 @@ use tokio_postgres::error::SqlState;
 use super::apply_set::{Decided, apply_set, lock_queues, plan_once_by_index};
 use super::days::Days;
 use super::effects::{ROW_COLUMNS, apply, read_row, row_from};
-use super::error::{Db, column, corrupt, db_error};
+use super::error::{Db, column, db_error};
 use super::listen::CHANNEL;
 use super::locks::{Lock, lock};
-use super::{DB_NOW_MS, NOT_GONE};
+use super::{DB_NOW_MS, NOT_GONE, RECORD};
 use crate::clock::Millis;
 use crate::store::lifecycle;
-use crate::store::{Lease, NewMessage, ResendEffect, ResendMark, StoreError};
+use crate::store::{Lease, ResendEffect, ResendMark, StoreError, record};
 
 /// Applies store::lifecycle::expire_lease, then store::lifecycle::claim, to the messages the
 /// rules' order picks that no other transaction holds: leases run out by the lease clock
@@ -98,7 +98,7 @@ async fn claim_once(
     apply_set(&tx, days, decided).await?;
     let due = tx
         .prepare_cached(&format!(
-            "SELECT {ROW_COLUMNS}, m.id, m.message_json FROM messages_live m WHERE m.due_at <= $1 \
+            "SELECT {ROW_COLUMNS}, m.id, {RECORD} FROM messages_live m WHERE m.due_at <= $1 \
              ORDER BY m.due_at, m.id LIMIT $2 FOR UPDATE SKIP LOCKED"
         ))
         .await
@@ -110,10 +110,9 @@ async fn claim_once(
     let mut decided = Vec::with_capacity(due.len());
     for found in due {
         let row = row_from(&found)?;
-        let message_json: String = column(&found, 13)?;
+        let message = record::decode(column(&found, 13)?)?;
         let effect = lifecycle::claim(&row.snapshot, lease_until);
         let leased = effect.changes.applied_to(&row.snapshot);
-        let message: NewMessage = serde_json::from_str(&message_json).map_err(corrupt)?;
         leases.push(Lease::of(message, &leased));
         decided.push(Decided {
             id: column(&found, 12)?,

@@ -35,6 +35,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::error::{open_error, pool_error};
 use super::listen::ListenConfig;
+use super::migrate::application_name;
 use super::url::{driver_url, redacted_url};
 use crate::store::StoreError;
 
@@ -83,7 +84,7 @@ fn driver_config(url: &str, timeout: Duration) -> Result<Config, StoreError> {
     };
     config.options(options);
     if config.get_application_name().is_none() {
-        config.application_name("callbackd");
+        config.application_name(application_name());
     }
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(timeout);
@@ -276,7 +277,7 @@ mod tests {
             config.get_ssl_mode(),
             tokio_postgres::config::SslMode::Require
         );
-        assert_eq!(config.get_application_name(), Some("callbackd"));
+        assert_eq!(config.get_application_name(), Some("callbackd/4"));
         assert_eq!(
             config.get_connect_timeout(),
             Some(&Duration::from_millis(1500))

@@ -11,14 +11,15 @@
 //! - **A newer layout refuses an older binary**, naming both versions: its tables may mean
 //!   things this code does not know, and writing them could damage them. The check runs at
 //!   every start ([`read_layout`]), before anything is written.
-//! - **The next layout** is a file `0002_<what>.sql` added to [`MIGRATIONS`] that changes the
+//! - **The next layout** is a file `000N_<what>.sql` added to [`MIGRATIONS`] that changes the
 //!   tables in place (`ALTER TABLE`, new tables and indexes; on a partitioned table, the
 //!   parent, which PostgreSQL carries to every partition). It is applied by the first
-//!   callbackd of layout 2 that starts, while processes of layout 1 may still be running:
-//!   so it only adds (a column with a default, a table, an index `CONCURRENTLY` in a later
-//!   step if it is large) until every process runs layout 2, and anything that drops or
-//!   renames what layout 1 uses waits for a layout after that. Processes of layout 1 started
-//!   after the upgrade refuse to start ([`check_version`]).
+//!   callbackd of the new layout that starts. A layout that only adds (a table, a column with
+//!   a default: layouts 2 and 3) lets processes of the layout before it run on beside it. One
+//!   that writes rows they cannot read (layout 4: `message_json` NULL) is not applied while
+//!   one of them is connected ([`refuse_older_peers`]): every older process is stopped first,
+//!   as for a Redis layout change. Processes of an older layout started after the upgrade
+//!   refuse to start ([`check_version`]).
 //!
 //! Beside the layout, `callbackd_partitions` records the store's partition count
 //! (`store.partitions`, [`crate::store::partitions::settle`]) in the same transaction.
@@ -30,14 +31,28 @@ use crate::store::StoreError;
 use crate::store::partitions::{self, Found, Partitions};
 
 /// The layout this binary reads and writes: the last of [`MIGRATIONS`].
-pub const LAYOUT_VERSION: i32 = 3;
+pub const LAYOUT_VERSION: i32 = 4;
 
 /// Each layout version and the SQL that builds it from the one before.
-const MIGRATIONS: [(i32, &str); 3] = [
+const MIGRATIONS: [(i32, &str); 4] = [
     (1, include_str!("migrations/0001_layout.sql")),
     (2, include_str!("migrations/0002_delivery_counts.sql")),
     (3, include_str!("migrations/0003_recoveries.sql")),
+    (4, include_str!("migrations/0004_compact_records.sql")),
 ];
+
+/// The first layout whose rows the processes of the layout before it cannot read (a NULL
+/// `message_json`): it is not applied while one of them is connected ([`refuse_older_peers`]).
+const FIRST_UNREADABLE_TO_OLDER: i32 = 4;
+
+/// The `application_name` of layouts 1 to 3, set when the URL names none.
+const OLDER_APPLICATION_NAME: &str = "callbackd";
+
+/// The `application_name` this binary's connections carry when the URL names none: its layout
+/// rides in it, so that a later upgrade can tell this process from a newer one.
+pub(super) fn application_name() -> String {
+    format!("callbackd/{LAYOUT_VERSION}")
+}
 
 /// The advisory lock every start takes before reading or changing the layout: a constant of
 /// this engine ("callbackd" in ASCII, cut to 63 bits).
@@ -72,6 +87,9 @@ pub(super) async fn migrate(
     // Read again under the lock: another process may have migrated while this one waited.
     let found = read_recorded(&tx).await?;
     check_version(found.version)?;
+    if (1..FIRST_UNREADABLE_TO_OLDER).contains(&found.version) {
+        refuse_older_peers(&tx, found.version).await?;
+    }
     for (version, sql) in MIGRATIONS {
         if version > found.version {
             tx.batch_execute(sql).await.db()?;
@@ -159,6 +177,37 @@ async fn read_recorded(
         version,
         partitions,
     })
+}
+
+/// Refuses to upgrade a database in use by a process of an older layout, which would fail on
+/// every row written after the upgrade; names where they connect from. It sees them by their
+/// default `application_name`, so one whose URL sets another is not seen: docs/storage.md
+/// asks to stop every older process first.
+async fn refuse_older_peers(
+    tx: &deadpool_postgres::Transaction<'_>,
+    found: i32,
+) -> Result<(), StoreError> {
+    let row = tx
+        .query_one(
+            "SELECT count(*), \
+               coalesce(string_agg(DISTINCT coalesce(host(client_addr), 'a local socket'), ', '), '') \
+             FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+               AND application_name = $1",
+            &[&OLDER_APPLICATION_NAME],
+        )
+        .await
+        .db()?;
+    let (count, from): (i64, String) = (column(&row, 0)?, column(&row, 1)?);
+    if count == 0 {
+        return Ok(());
+    }
+    Err(StoreError::Incompatible(format!(
+        "the PostgreSQL store has layout version {found}, and {count} connection(s) of an older \
+         callbackd (application_name '{OLDER_APPLICATION_NAME}', from {from}) are open: layout \
+         {LAYOUT_VERSION} stores messages in a form layout {found} cannot read; stop every older \
+         callbackd, then start this one"
+    )))
 }
 
 /// Refuses a layout newer than this binary's, naming both.

@@ -10,25 +10,25 @@ use deadpool_postgres::Client;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use super::NOT_GONE;
 use super::error::{Db, column, corrupt};
+use super::{NOT_GONE, RECORD};
 use crate::clock::Millis;
 use crate::store::counts::{self, MinuteCount};
 use crate::store::{
-    HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, NewMessage, Page, QueueDepth,
-    StoreError, matches_filter,
+    HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, Page, QueueDepth, StoreError,
+    matches_filter, record,
 };
 
-const RECORD_COLUMNS: &str = "m.id, m.message_json, m.state, m.deadline, m.due_at, \
-                              m.history_total, m.delivery_attempts, m.ends_at";
+/// What a record is read from: `m.id, {RECORD}, ` and these.
+const STATE_COLUMNS: &str =
+    "m.state, m.deadline, m.due_at, m.history_total, m.delivery_attempts, m.ends_at";
 
-/// A record from a row of [`RECORD_COLUMNS`], with `history` (empty on list pages, which
+/// A record from a row of `m.id, {RECORD}, {STATE_COLUMNS}`, with `history` (empty on list pages, which
 /// never load histories).
 fn record_from_row(row: &Row, history: Vec<HistoryEntry>) -> Result<MessageRecord, StoreError> {
     let id: String = column(row, 0)?;
-    let message_json: String = column(row, 1)?;
+    let message = record::decode(column(row, 1)?)?;
     let state: String = column(row, 2)?;
-    let message: NewMessage = serde_json::from_str(&message_json).map_err(corrupt)?;
     let state = MessageState::parse(&state)
         .ok_or_else(|| corrupt(format!("message {id} has state `{state}`")))?;
     let history_total: i64 = column(row, 5)?;
@@ -48,7 +48,7 @@ fn record_from_row(row: &Row, history: Vec<HistoryEntry>) -> Result<MessageRecor
 pub(super) async fn get(client: &Client, id: &str) -> Result<Option<MessageRecord>, StoreError> {
     let statement = client
         .prepare_cached(&format!(
-            "SELECT {RECORD_COLUMNS}, \
+            "SELECT m.id, {RECORD}, {STATE_COLUMNS}, \
                ARRAY(SELECT h.entry_json FROM history h \
                      WHERE h.message_id = m.id AND h.end_day = m.end_day ORDER BY h.seq) \
              FROM messages m WHERE m.id = $1 AND {NOT_GONE}"
@@ -79,7 +79,8 @@ pub(super) async fn get(client: &Client, id: &str) -> Result<Option<MessageRecor
 /// end.
 pub(super) async fn list(client: &Client, filter: &ListFilter) -> Result<Page, StoreError> {
     let limit = filter.limit.clamp(1, 100_000);
-    let mut sql = format!("SELECT {RECORD_COLUMNS} FROM messages m WHERE {NOT_GONE}");
+    let mut sql =
+        format!("SELECT m.id, {RECORD}, {STATE_COLUMNS} FROM messages m WHERE {NOT_GONE}");
     let mut args: Vec<Box<dyn ToSql + Sync + Send>> = Vec::new();
     let mut bind = |sql: &mut String, clause: &str, value: Box<dyn ToSql + Sync + Send>| {
         args.push(value);
@@ -100,7 +101,19 @@ pub(super) async fn list(client: &Client, filter: &ListFilter) -> Result<Page, S
         bind(&mut sql, "m.id <", Box::new(bound));
     }
     if let Some(state) = filter.state {
-        bind(&mut sql, "m.state =", Box::new(state.as_str().to_string()));
+        // A literal, so that the plan sees whether `messages_by_state` (partial) holds it,
+        // and the partition it lives in, so that a finished state never walks the live
+        // partition's backlog nor an unfinished one the finished days.
+        let lives_in = match state {
+            MessageState::Pending | MessageState::InFlight => "m.end_day = 0",
+            MessageState::Delivered | MessageState::Dead | MessageState::Recorded => {
+                "m.end_day <> 0"
+            }
+        };
+        sql.push_str(&format!(
+            " AND m.state = '{}' AND {lives_in}",
+            state.as_str()
+        ));
     }
     if let Some(source) = &filter.source {
         bind(&mut sql, "m.source =", Box::new(source.clone()));
