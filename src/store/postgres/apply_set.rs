@@ -164,6 +164,13 @@ impl MessageRows {
 
     /// Writes the rows in one statement; a row whose end day changed moves to that day's
     /// partition. Answers each message's `history_total` after it.
+    ///
+    /// Each row finds its values by its id's place in the arrays (`array_position`), not by a
+    /// join with `unnest` of them: with layout 4's smaller rows, the generic plan, which
+    /// reckons one row of a small live partition, ran that join as a nested loop that
+    /// unnested all thirteen arrays again for every row, and the statement cost the server
+    /// more than twice as much per message on a near-empty queue as with a backlog
+    /// (BENCHMARKS.md, "PostgreSQL layout 4").
     async fn write(
         &self,
         tx: &Transaction<'_>,
@@ -171,17 +178,15 @@ impl MessageRows {
     ) -> Result<HashMap<String, i64>, StoreError> {
         let statement = tx
             .prepare_cached(
-                "UPDATE messages m SET end_day = u.day_after, state = u.state, \
-                 lease_token = u.token, delivery_attempts = u.attempts, \
-                 attempts_before_requeue = u.backoff_from, deadline = u.deadline, \
-                 due_at = u.due_at, lease_until = u.lease_until, resume_at = u.resume_at, \
-                 deliver_again = u.again, ends_at = u.ends_at, \
-                 history_total = m.history_total + u.recorded \
-                 FROM unnest($1::text[], $2::int4[], $3::text[], $4::int8[], $5::int4[], \
-                 $6::int4[], $7::int8[], $8::int8[], $9::int8[], $10::int8[], $11::bool[], \
-                 $12::int8[], $13::int8[]) AS u (id, day_after, state, token, attempts, \
-                 backoff_from, deadline, due_at, lease_until, resume_at, again, ends_at, recorded) \
-                 WHERE m.end_day = 0 AND m.id = ANY($1::text[]) AND m.id = u.id \
+                "UPDATE messages m SET (end_day, state, lease_token, delivery_attempts, \
+                 attempts_before_requeue, deadline, due_at, lease_until, resume_at, \
+                 deliver_again, ends_at, history_total) = \
+                 (SELECT ($2::int4[])[i], ($3::text[])[i], ($4::int8[])[i], ($5::int4[])[i], \
+                 ($6::int4[])[i], ($7::int8[])[i], ($8::int8[])[i], ($9::int8[])[i], \
+                 ($10::int8[])[i], ($11::bool[])[i], ($12::int8[])[i], \
+                 m.history_total + ($13::int8[])[i] \
+                 FROM (SELECT array_position($1::text[], m.id::text) AS i) p) \
+                 WHERE m.end_day = 0 AND m.id = ANY($1::text[]) \
                  RETURNING m.id, m.history_total",
             )
             .await
