@@ -30,6 +30,30 @@ const DISPATCH_TARGET: f64 = 5_000.0;
 
 pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     eprintln!("[8/8] PostgreSQL: a private server, synchronous_commit = on, fsync on");
+    let Some(pg) = start(report).await? else {
+        return Ok(());
+    };
+    let ingest_rate = ingest(env, &pg, report).await?;
+    raw_pgbench(env, &pg, report, ingest_rate).await?;
+    dispatch(env, &pg, report).await?;
+    disk_per_callback(env, &pg, report).await?;
+    idle(env, &pg, report).await?;
+    backlog(env, &pg, report).await?;
+    pg_retention::run(env, &pg, report).await?;
+    Ok(())
+}
+
+/// Claim + complete with a future backlog alone (`--only=postgres-backlog`).
+pub async fn run_backlog(env: &Env, report: &mut Report) -> Result<(), String> {
+    eprintln!("[8/8, alone] PostgreSQL: claim + complete with a future backlog");
+    let Some(pg) = start(report).await? else {
+        return Ok(());
+    };
+    backlog(env, &pg, report).await
+}
+
+/// The phase's server, reported; `None`, reported too, when PostgreSQL is not installed.
+async fn start(report: &mut Report) -> Result<Option<Pg>, String> {
     let pg = match tokio::task::spawn_blocking(Pg::start)
         .await
         .map_err(|e| e.to_string())?
@@ -46,7 +70,7 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
                 "",
                 None,
             );
-            return Ok(());
+            return Ok(None);
         }
     };
     report.row(
@@ -66,15 +90,7 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
             }
         ),
     );
-
-    let ingest_rate = ingest(env, &pg, report).await?;
-    raw_pgbench(env, &pg, report, ingest_rate).await?;
-    dispatch(env, &pg, report).await?;
-    disk_per_callback(env, &pg, report).await?;
-    idle(env, &pg, report).await?;
-    backlog(env, &pg, report).await?;
-    pg_retention::run(env, &pg, report).await?;
-    Ok(())
+    Ok(Some(pg))
 }
 
 /// The ingest closed loop against a process with dispatch off. Returns accepted/s.
