@@ -3180,6 +3180,38 @@ async fn the_upgraded_fixture_keeps_its_data(h: &Harness, now: Millis) {
     );
 }
 
+/// Accepts a message under `ordering_key` whose body (a payment of 20 items, about 700 bytes of
+/// JSON) compresses well, as a store upgraded from a release's fixture would take it: its id,
+/// its body, and the length of its record as JSON.
+async fn accept_compressible(
+    s: &dyn Inspectable,
+    ordering_key: &str,
+    now: Millis,
+) -> (MessageId, String, usize) {
+    let body = serde_json::json!({
+        "paymentId": "pay-after-upgrade",
+        "status": "approved",
+        "items": (0..20)
+            .map(|i| serde_json::json!({"sku": format!("sku-{i}"), "quantity": 1}))
+            .collect::<Vec<_>>(),
+    })
+    .to_string();
+    let mut fresh = NewMessage {
+        body: body.clone(),
+        ..new_message(ordering_key, now)
+    };
+    fresh.id = MessageId::generate(now, &fresh.ordering_key, s.partitions());
+    let id = fresh.id.clone();
+    let json_len = serde_json::to_string(&fresh).unwrap().len();
+    assert_eq!(
+        s.accept(request(&format!("claim/{ordering_key}"), fresh), now)
+            .await
+            .unwrap(),
+        AcceptOutcome::Accepted
+    );
+    (id, body, json_len)
+}
+
 /// What the second release's fixtures (tests/fixtures/make_sqlite_v2.rs, make_redis_v2.rs:
 /// the same story on a virtual clock starting at `T0`) left behind, checked on a store
 /// upgraded from one: every record, history, claim, payment state, seal and operation is
@@ -3906,27 +3938,7 @@ mod redis_only {
         let Backend::Redis(server) = &h.backend else {
             unreachable!()
         };
-        let body = serde_json::json!({
-            "paymentId": "pay-after-upgrade",
-            "status": "approved",
-            "items": (0..20)
-                .map(|i| serde_json::json!({"sku": format!("sku-{i}"), "quantity": 1}))
-                .collect::<Vec<_>>(),
-        })
-        .to_string();
-        let mut fresh = NewMessage {
-            body: body.clone(),
-            ..new_message("v5/after-upgrade", now)
-        };
-        fresh.id = MessageId::generate(now, &fresh.ordering_key, s.partitions());
-        let id = fresh.id.clone();
-        let json_len = serde_json::to_string(&fresh).unwrap().len();
-        assert_eq!(
-            s.accept(request("claim/v5/after-upgrade", fresh), now)
-                .await
-                .unwrap(),
-            AcceptOutcome::Accepted
-        );
+        let (id, body, json_len) = accept_compressible(s, "v5/after-upgrade", now).await;
         let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
         let pieces: Vec<usize> = (0..)
             .map(|i| {
@@ -4663,27 +4675,7 @@ mod postgres_only {
 
         // A new message's record is kept compressed, and read back byte for byte.
         let now = T0 + 10_000;
-        let body = serde_json::json!({
-            "paymentId": "pay-after-upgrade",
-            "status": "approved",
-            "items": (0..20)
-                .map(|i| serde_json::json!({"sku": format!("sku-{i}"), "quantity": 1}))
-                .collect::<Vec<_>>(),
-        })
-        .to_string();
-        let mut fresh = NewMessage {
-            body: body.clone(),
-            ..new_message("pg4/after-upgrade", now)
-        };
-        fresh.id = MessageId::generate(now, &fresh.ordering_key, s.partitions());
-        let id = fresh.id.clone();
-        let json_len = serde_json::to_string(&fresh).unwrap().len();
-        assert_eq!(
-            s.accept(request("claim/pg4/after-upgrade", fresh), now)
-                .await
-                .unwrap(),
-            AcceptOutcome::Accepted
-        );
+        let (id, body, json_len) = accept_compressible(s, "pg4/after-upgrade", now).await;
         let stored = server.psql_db(
             &db,
             &format!(
