@@ -194,6 +194,43 @@ async fn two_processes_starting_at_once_migrate_once() {
     );
 }
 
+/// A start waits for another process's upgrade past the store timeout (up to the migration's
+/// own bound): an upgrade may rebuild an index over every retained message, longer than any
+/// other call may take, and a start that gave up would roll it back and repeat it forever.
+#[tokio::test]
+async fn a_start_waits_past_the_store_timeout_for_an_upgrade_under_way() {
+    /// migrate.rs's LAYOUT_LOCK: "callbackd" in ASCII, cut to 63 bits.
+    const LAYOUT_LOCK: i64 = 0x6361_6c6c_6261_636b;
+    let server = PostgresServer::start();
+    let upgrading = raw_client(&server).await;
+    upgrading
+        .batch_execute(&format!(
+            "BEGIN; SELECT pg_advisory_xact_lock({LAYOUT_LOCK})"
+        ))
+        .await
+        .unwrap();
+    let timeout = Duration::from_millis(300);
+    let finishing = tokio::spawn(async move {
+        tokio::time::sleep(timeout * 4).await;
+        upgrading.batch_execute("COMMIT").await.unwrap();
+    });
+    let mut store = PostgresStore::connect(&server.url(), timeout, RETENTION_SECS)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    assert_eq!(store.migrate().await.unwrap(), 0, "an empty database");
+    assert!(
+        started.elapsed() >= timeout * 3,
+        "it waited for the lock: {:?}",
+        started.elapsed()
+    );
+    finishing.await.unwrap();
+    assert_eq!(
+        server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
+        "1,2,3,4"
+    );
+}
+
 /// Layout 4 undone: what `migrations/0004_compact_records.sql` changed, put back as layout 3
 /// had it (on a database whose rows all keep `message_json`).
 const UNDO_LAYOUT_4: &str = "DROP INDEX messages_by_state, messages_live_by_source; \

@@ -13,10 +13,11 @@
 //! written one effect at a time (`effects::apply`), in order, as before; so is the rare
 //! history long enough to trim (`effects::tidy_history`).
 //!
-//! Each statement finds its rows by `id = ANY(<the set's ids>)` on the primary key before
-//! joining them with the set, so its plan stays an index lookup whatever the statistics say
-//! of the live partition's size (a hash join with a scan of every live message would be as
-//! cheap while the table is small, and not later).
+//! Each statement finds its rows by `id = ANY(<the set's ids>)` on the primary key, so its plan
+//! stays an index lookup whatever the statistics say of the live partition's size (a hash join
+//! with a scan of every live message would be as cheap while the table is small, and not
+//! later). The message rows then take their values at their id's place in the set's arrays
+//! rather than by a join with them ([`MessageRows::write`]).
 
 use std::collections::{HashMap, HashSet};
 

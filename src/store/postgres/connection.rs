@@ -224,11 +224,22 @@ impl Database {
         &self,
         work: impl for<'c> FnOnce(&'c mut Client) -> BoxFuture<'c, Result<T, StoreError>> + Send,
     ) -> Result<T, StoreError> {
-        let deadline = tokio::time::Instant::now() + self.timeout;
+        self.call_within(self.timeout, work).await
+    }
+
+    /// [`Database::call`] within `bound` instead of the store timeout: for the migration, which
+    /// may rebuild an index over every retained message (it also lifts the server's
+    /// `statement_timeout` for its own transaction, `migrate.rs`).
+    pub(super) async fn call_within<T>(
+        &self,
+        bound: Duration,
+        work: impl for<'c> FnOnce(&'c mut Client) -> BoxFuture<'c, Result<T, StoreError>> + Send,
+    ) -> Result<T, StoreError> {
+        let deadline = tokio::time::Instant::now() + bound;
         let late = || {
             StoreError::Unavailable(format!(
-                "PostgreSQL at {} did not answer within {:?}",
-                self.shown_url, self.timeout
+                "PostgreSQL at {} did not answer within {bound:?}",
+                self.shown_url
             ))
         };
         let mut client = tokio::time::timeout_at(deadline, self.pool.get())

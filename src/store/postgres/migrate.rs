@@ -24,6 +24,8 @@
 //! Beside the layout, `callbackd_partitions` records the store's partition count
 //! (`store.partitions`, [`crate::store::partitions::settle`]) in the same transaction.
 
+use std::time::Duration;
+
 use deadpool_postgres::Client;
 
 use super::error::{Db, column, corrupt};
@@ -54,6 +56,12 @@ pub(super) fn application_name() -> String {
     format!("callbackd/{LAYOUT_VERSION}")
 }
 
+/// How long a start may take to bring the layout up to date, waiting for another process's
+/// upgrade included: layout 4 rebuilds an index over every retained message, 0.44 s a million
+/// from memory (BENCHMARKS.md, "PostgreSQL layout 4"), minutes for a large month read from
+/// disk, far past the store timeout that bounds every other call.
+pub(super) const MIGRATION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
 /// The advisory lock every start takes before reading or changing the layout: a constant of
 /// this engine ("callbackd" in ASCII, cut to 63 bits).
 const LAYOUT_LOCK: i64 = 0x6361_6c6c_6261_636b;
@@ -81,6 +89,14 @@ pub(super) async fn migrate(
     configured: Option<Partitions>,
 ) -> Result<(i32, Partitions), StoreError> {
     let tx = client.transaction().await.db()?;
+    // The connection's statement_timeout is the store timeout (connection.rs); this
+    // transaction is bounded by MIGRATION_TIMEOUT instead, by the server too.
+    tx.batch_execute(&format!(
+        "SET LOCAL statement_timeout = {}",
+        MIGRATION_TIMEOUT.as_millis()
+    ))
+    .await
+    .db()?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LAYOUT_LOCK])
         .await
         .db()?;
@@ -180,20 +196,23 @@ async fn read_recorded(
 }
 
 /// Refuses to upgrade a database in use by a process of an older layout, which would fail on
-/// every row written after the upgrade; names where they connect from. It sees them by their
-/// default `application_name`, so one whose URL sets another is not seen: docs/storage.md
-/// asks to stop every older process first.
+/// every row written after the upgrade; names their server pids and where they connect from.
+/// It sees them by their default `application_name`, so one whose URL sets another is not
+/// seen, nor is one with no connection open at this instant; and when this process carries
+/// that name itself (its URL sets it), it cannot tell older ones from its own connections and
+/// does not look: docs/storage.md asks to stop every older process first.
 async fn refuse_older_peers(
     tx: &deadpool_postgres::Transaction<'_>,
     found: i32,
 ) -> Result<(), StoreError> {
     let row = tx
         .query_one(
-            "SELECT count(*), \
-               coalesce(string_agg(DISTINCT coalesce(host(client_addr), 'a local socket'), ', '), '') \
+            "SELECT count(*), coalesce(string_agg(pid || ' from ' || \
+               coalesce(host(client_addr), 'a local socket or an address hidden from this role'), \
+               ', ' ORDER BY pid), '') \
              FROM pg_stat_activity \
              WHERE datname = current_database() AND pid <> pg_backend_pid() \
-               AND application_name = $1",
+               AND application_name = $1 AND current_setting('application_name') <> $1",
             &[&OLDER_APPLICATION_NAME],
         )
         .await
@@ -204,7 +223,7 @@ async fn refuse_older_peers(
     }
     Err(StoreError::Incompatible(format!(
         "the PostgreSQL store has layout version {found}, and {count} connection(s) of an older \
-         callbackd (application_name '{OLDER_APPLICATION_NAME}', from {from}) are open: layout \
+         callbackd (application_name '{OLDER_APPLICATION_NAME}'; server pid {from}) are open: layout \
          {LAYOUT_VERSION} stores messages in a form layout {found} cannot read; stop every older \
          callbackd, then start this one"
     )))

@@ -280,7 +280,9 @@ impl PostgresStore {
         let configured = self.configured_partitions.or(Some(self.partitions));
         let (found, partitions) = self
             .db
-            .call(move |client| migrate::migrate(client, configured).boxed())
+            .call_within(migrate::MIGRATION_TIMEOUT, move |client| {
+                migrate::migrate(client, configured).boxed()
+            })
             .await?;
         self.partitions = partitions;
         Ok(found)

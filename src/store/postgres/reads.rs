@@ -73,10 +73,13 @@ pub(super) async fn get(client: &Client, id: &str) -> Result<Option<MessageRecor
     record_from_row(row, history).map(Some)
 }
 
-/// Every filter is answered by SQL on an indexed column (ids sort by creation time, so the
-/// time window is an id range), every partition's rows merged in id order, so a page reads
-/// `limit + 1` rows whatever the filter; the extra row only tells whether the scan reached the
-/// end.
+/// Every filter is answered by SQL, every partition's rows merged in id order (ids sort by
+/// creation time, so the time window is an id range); the extra row of `limit + 1` only tells
+/// whether the scan reached the end. Pending, in-flight and dead messages and ordering keys are
+/// read by index, a page's worth. Delivered and recorded messages, and a source's finished
+/// ones, are read by walking the finished days' primary keys (layout 4 keeps no index of
+/// them there): a page reads the rows it skips too, few for what finished days are made of,
+/// more for a rare source.
 pub(super) async fn list(client: &Client, filter: &ListFilter) -> Result<Page, StoreError> {
     let limit = filter.limit.clamp(1, 100_000);
     let mut sql =
