@@ -29,8 +29,10 @@ local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, limit)
 for _, id in ipairs(ids) do
   local key = ARGV[4] .. 'm:' .. id
   redis.call('ZREM', KEYS[1], id)
-  -- the record is whole in `rec` (layout 4 and before), or in pieces from `r0` (accept.lua)
-  local f = redis.call('HMGET', key, 'rec', 'tries', 'rb', 'dl', 'resume', 'again', 'r0')
+  -- the record is whole in `rec` (layout 4 and before), or in pieces from `r0` (accept.lua);
+  -- its first 9 pieces (576 bytes, a typical compressed record) are read with the state
+  local f = redis.call('HMGET', key, 'rec', 'tries', 'rb', 'dl', 'resume', 'again',
+    'r0', 'r1', 'r2', 'r3', 'r4', 'r5', 'r6', 'r7', 'r8')
   if f[1] or f[7] then
     local token = redis.call('HINCRBY', key, 'lease', 1)
     redis.call('HSET', key, 'state', ARGV[6])
@@ -38,7 +40,7 @@ for _, id in ipairs(ids) do
     redis.call('ZREM', KEYS[3], id)
     redis.call('ZADD', KEYS[4], 0, id)
     -- absent fields are their defaults; no `dl` is the record's deadline
-    table.insert(out, {f[1] or joined(key, 'r', f[7]), tostring(token), f[2] or '0', f[3] or '0',
+    table.insert(out, {f[1] or joined(key, 'r', {unpack(f, 7, 15)}), tostring(token), f[2] or '0', f[3] or '0',
       f[4] or '', f[5] or '0', f[6] or '0'})
   end
 end

@@ -12,10 +12,16 @@ local function add_pieces(fields, prefix, value)
     fields[#fields + 1] = string.sub(value, i * PIECE + 1, (i + 1) * PIECE)
   end
 end
--- The value in pieces `<prefix>0`, ... of hash `key`, given its first piece (read with the
--- caller's other fields): the rest are read 8 at a time up to the first absent one.
+-- The value in pieces `<prefix>0`, ... of hash `key`, given its first pieces as the caller read
+-- them with its other fields (`false` where absent): when they hold it all, it costs no more
+-- commands; the rest are read 8 at a time up to the first absent one.
 local function joined(key, prefix, first)
-  local pieces, next_piece = {first}, 1
+  local pieces = {}
+  for _, piece in ipairs(first) do
+    if not piece then return table.concat(pieces) end
+    pieces[#pieces + 1] = piece
+  end
+  local next_piece = #first
   while true do
     local names = {}
     for i = next_piece, next_piece + 7 do names[#names + 1] = prefix .. i end
