@@ -147,10 +147,7 @@ async fn a_new_database_gets_the_layout_recorded_once_and_reads_empty() {
     assert_eq!(again.migrate().await.unwrap(), LAYOUT_VERSION);
     assert_eq!(
         server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
-        (1..=LAYOUT_VERSION)
-            .map(|v| v.to_string())
-            .collect::<Vec<_>>()
-            .join(","),
+        every_layout(),
         "each version recorded once"
     );
 
@@ -227,13 +224,24 @@ async fn a_start_waits_past_the_store_timeout_for_an_upgrade_under_way() {
     finishing.await.unwrap();
     assert_eq!(
         server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
-        "1,2,3,4"
+        every_layout()
     );
 }
 
-/// Layout 4 undone: what `migrations/0004_compact_records.sql` changed, put back as layout 3
-/// had it (on a database whose rows all keep `message_json`).
-const UNDO_LAYOUT_4: &str = "DROP INDEX messages_by_state, messages_live_by_source; \
+/// Every layout version up to this binary's, as `callbackd_layout` lists them after an upgrade.
+fn every_layout() -> String {
+    (1..=LAYOUT_VERSION)
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Layouts 5 and 4 undone: what `migrations/0005_first_history_row.sql` and
+/// `0004_compact_records.sql` changed, put back as layout 3 had it (on a database whose rows
+/// all keep `message_json` and their whole history in `history`).
+const UNDO_LAYOUTS_5_AND_4: &str = "ALTER TABLE messages DROP COLUMN first_entry; \
+    DELETE FROM callbackd_layout WHERE version = 5; \
+    DROP INDEX messages_by_state, messages_live_by_source; \
     ALTER TABLE messages DROP COLUMN record; \
     ALTER TABLE messages ALTER COLUMN message_json SET NOT NULL; \
     CREATE INDEX messages_by_state ON messages (state, id); \
@@ -248,7 +256,7 @@ async fn a_layout_1_database_gains_the_delivery_counts_and_keeps_its_rows() {
     let server = PostgresServer::start();
     drop(migrated(&server).await);
     server.psql(&format!(
-        "{UNDO_LAYOUT_4} DROP TABLE delivery_counts, inbound_counts, recoveries; \
+        "{UNDO_LAYOUTS_5_AND_4} DROP TABLE delivery_counts, inbound_counts, recoveries; \
          DELETE FROM callbackd_layout WHERE version >= 2"
     ));
     let client = raw_client(&server).await;
@@ -293,7 +301,7 @@ async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
     let server = PostgresServer::start();
     drop(migrated(&server).await);
     server.psql(&format!(
-        "{UNDO_LAYOUT_4} DROP TABLE inbound_counts, recoveries; \
+        "{UNDO_LAYOUTS_5_AND_4} DROP TABLE inbound_counts, recoveries; \
          DELETE FROM callbackd_layout WHERE version = 3; \
          INSERT INTO delivery_counts (minute, slot, deliveries) VALUES (0, 0, 7)"
     ));
@@ -307,7 +315,7 @@ async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
     assert_eq!(store.migrate().await.unwrap(), 2, "found layout 2");
     assert_eq!(
         server.psql("SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"),
-        "1,2,3,4"
+        every_layout()
     );
     assert_eq!(
         server.psql("SELECT sum(deliveries) FROM delivery_counts"),
@@ -336,45 +344,71 @@ async fn a_layout_2_database_gains_the_recovery_tables_and_keeps_its_rows() {
     assert_eq!(store.recoveries(T0).await.unwrap(), [recovery]);
 }
 
-/// A database of layout 3 that a process of layout 3 still uses is not brought to layout 4,
-/// whose rows that process could not read: the start names the connection and changes
+/// A database of layout 3 that a process of layout 3 still uses is not brought to layouts 4
+/// and 5, whose rows that process could not read: the start names the connection and changes
 /// nothing. Once that process is gone, the upgrade runs.
 #[tokio::test]
-async fn a_database_in_use_by_an_older_callbackd_is_not_upgraded_under_it() {
-    assert_eq!(LAYOUT_VERSION, 4);
+async fn a_database_in_use_by_a_layout_3_callbackd_is_not_upgraded_under_it() {
+    not_upgraded_under_an_older_process(3, include_str!("fixtures/postgres_v3.sql"), "callbackd")
+        .await;
+}
+
+/// The same for layout 4, whose processes name their layout in their connections: they would
+/// read a history without its first row.
+#[tokio::test]
+async fn a_database_in_use_by_a_layout_4_callbackd_is_not_upgraded_under_it() {
+    not_upgraded_under_an_older_process(4, include_str!("fixtures/postgres_v4.sql"), "callbackd/4")
+        .await;
+}
+
+/// A database of layout `found` restored from `fixture`, with a connection open named
+/// `application_name` as a process of that layout names its own: the upgrade is refused, the
+/// refusal names it, and nothing changes; once it is gone, the upgrade runs.
+async fn not_upgraded_under_an_older_process(found: i32, fixture: &str, application_name: &str) {
+    assert_eq!(
+        LAYOUT_VERSION, 5,
+        "the layouts whose processes are looked for"
+    );
     let server = PostgresServer::start();
-    server.create_database("v3");
-    server.psql_db("v3", include_str!("fixtures/postgres_v3.sql"));
-    let url = server.url_db("v3");
+    server.create_database("older");
+    server.psql_db("older", fixture);
+    let url = server.url_db("older");
     let (older, connection) = tokio_postgres::connect(
-        &format!("{url}?application_name=callbackd"),
+        &format!("{url}?application_name={application_name}"),
         tokio_postgres::NoTls,
     )
     .await
-    .expect("a connection as a layout-3 process makes it");
+    .expect("a connection as an older process makes it");
     let older_task = tokio::spawn(connection);
     older.simple_query("SELECT 1").await.unwrap();
     let mut store = PostgresStore::connect(&url, TIMEOUT, RETENTION_SECS)
         .await
         .unwrap();
     let Err(StoreError::Incompatible(why)) = store.migrate().await else {
-        panic!("upgraded under a layout-3 process");
+        panic!("upgraded under a layout-{found} process");
     };
     assert!(
-        why.contains("layout version 3")
+        why.contains(&format!("layout version {found}"))
             && why.contains("1 connection(s) of an older callbackd")
+            && why.contains(&format!("as {application_name} from"))
             && why.contains("stop every older callbackd"),
         "{why}"
     );
     let layout = "SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout";
-    assert_eq!(server.psql_db("v3", layout), "1,2,3", "nothing changed");
+    let before: String = (1..=found)
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    assert_eq!(server.psql_db("older", layout), before, "nothing changed");
 
     drop(older);
     older_task.await.unwrap().unwrap();
     let gone = Instant::now();
     while server.psql_db(
-        "v3",
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'callbackd'",
+        "older",
+        &format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{application_name}'"
+        ),
     ) != "0"
     {
         assert!(
@@ -383,8 +417,8 @@ async fn a_database_in_use_by_an_older_callbackd_is_not_upgraded_under_it() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(store.migrate().await.unwrap(), 3);
-    assert_eq!(server.psql_db("v3", layout), "1,2,3,4");
+    assert_eq!(store.migrate().await.unwrap(), found);
+    assert_eq!(server.psql_db("older", layout), every_layout());
 }
 
 #[tokio::test]
@@ -851,9 +885,15 @@ async fn a_finished_day_is_dropped_whole_once_the_horizon_passes_its_end() {
         format!("history_d{day},messages_d{day}")
     );
     assert_eq!(
-        server.psql_db(&db, &format!("SELECT count(*) FROM history_d{day}")),
-        "1",
-        "the history moved with its message"
+        server.psql_db(
+            &db,
+            &format!(
+                "SELECT count(*) FILTER (WHERE first_entry IS NOT NULL), \
+                 (SELECT count(*) FROM history_d{day}) FROM messages_d{day}"
+            )
+        ),
+        "1|0",
+        "its one history row moved inside its message's row"
     );
 
     // At its end it is gone to every read; its day, which ends later, stays until then.

@@ -4633,30 +4633,62 @@ mod postgres_only {
         )
     }
 
-    /// Layout 3, written by the PostgreSQL store of commit 800f655 (tests/fixtures/
-    /// make_postgres_v3.rs), brought to layout 4 in place: no row is rewritten (each keeps
-    /// its JSON text and is read as it is), the story goes on, a new message keeps its record
-    /// compressed in `record` and reads back byte for byte, and the tables and indexes are a
-    /// new database's.
-    #[tokio::test]
-    async fn a_third_layout_postgres_store_is_upgraded_in_place() {
+    /// Every layout version up to this binary's, as `callbackd_layout` lists them.
+    fn every_layout() -> String {
+        (1..=callbackd::store::postgres::LAYOUT_VERSION)
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// A database restored from a release's `fixture` (tests/fixtures/make_postgres_fixture.rs)
+    /// of layout `found`, brought to this binary's layout: the versions are recorded, and the
+    /// tables and indexes are then a new database's.
+    async fn upgraded(fixture: &str, found: i32) -> (&'static PostgresServer, String, Harness) {
         let server = PostgresServer::shared();
         let url = server.fresh_database();
         let db = url.rsplit('/').next().expect("a database").to_string();
-        server.psql_db(&db, include_str!("fixtures/postgres_v3.sql"));
+        server.psql_db(&db, fixture);
         assert_eq!(server.psql_db(&db, "SELECT count(*) FROM messages"), "11");
         let mut store = PostgresStore::connect(&url, Duration::from_secs(5), RETENTION_SECS)
             .await
             .unwrap()
             .with_caller_clock_leases();
-        assert_eq!(store.migrate().await.unwrap(), 3, "found layout 3");
+        assert_eq!(
+            store.migrate().await.unwrap(),
+            found,
+            "found layout {found}"
+        );
         assert_eq!(
             server.psql_db(
                 &db,
                 "SELECT string_agg(version::text, ',' ORDER BY version) FROM callbackd_layout"
             ),
-            "1,2,3,4"
+            every_layout()
         );
+        let new = server.fresh_database();
+        let new_db = new.rsplit('/').next().expect("a database").to_string();
+        PostgresStore::connect(&new, Duration::from_secs(5), RETENTION_SECS)
+            .await
+            .unwrap()
+            .migrate()
+            .await
+            .unwrap();
+        assert_eq!(describe(server, &db), describe(server, &new_db));
+        let h = Harness {
+            store: std::sync::Arc::new(store),
+            backend: Backend::Postgres { db: db.clone() },
+        };
+        (server, db, h)
+    }
+
+    /// Layout 3, written by the PostgreSQL store of commit 800f655 (tests/fixtures/
+    /// make_postgres_fixture.rs), brought to the newest layout in place: no row is rewritten
+    /// (each keeps its JSON text and is read as it is), the story goes on, and a new message
+    /// keeps its record compressed in `record` and reads back byte for byte.
+    #[tokio::test]
+    async fn a_third_layout_postgres_store_is_upgraded_in_place() {
+        let (server, db, h) = upgraded(include_str!("fixtures/postgres_v3.sql"), 3).await;
         assert_eq!(
             server.psql_db(
                 &db,
@@ -4666,10 +4698,6 @@ mod postgres_only {
             "11",
             "nothing rewritten"
         );
-        let h = Harness {
-            store: std::sync::Arc::new(store),
-            backend: Backend::Postgres { db: db.clone() },
-        };
         let s = h.s();
         the_release_fixture_goes_on(s, "pg3").await;
 
@@ -4709,16 +4737,110 @@ mod postgres_only {
             delivered.iter().any(|r| r.message.id == id),
             "listed among the delivered: {delivered:?}"
         );
+    }
 
-        let new = PostgresServer::shared().fresh_database();
-        let new_db = new.rsplit('/').next().expect("a database").to_string();
-        PostgresStore::connect(&new, Duration::from_secs(5), RETENTION_SECS)
-            .await
-            .unwrap()
-            .migrate()
+    /// Layout 4, written by the PostgreSQL store of commit 7e1b5bf (tests/fixtures/
+    /// make_postgres_fixture.rs), brought to layout 5 in place: no row is rewritten (every
+    /// history row stays in `history`, the first included), the story goes on, histories read
+    /// the same whether their first row is in `history` or in the message's row, and a message
+    /// with one attempt after the upgrade has no row in `history` at all.
+    #[tokio::test]
+    async fn a_fourth_layout_postgres_store_is_upgraded_in_place() {
+        let (server, db, h) = upgraded(include_str!("fixtures/postgres_v4.sql"), 4).await;
+        let first_rows = "SELECT count(*) FILTER (WHERE first_entry IS NOT NULL), \
+                          (SELECT count(*) FROM history WHERE seq = 1) FROM messages";
+        let held = server.psql_db(&db, first_rows);
+        assert_eq!(
+            held, "0|6",
+            "nothing rewritten: six first rows, all in `history`"
+        );
+        let s = h.s();
+        let mut before = std::collections::HashMap::new();
+        for r in list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                ..Default::default()
+            },
+        )
+        .await
+        {
+            before.insert(r.message.id.clone(), get(s, &r.message.id).await.history);
+        }
+        the_release_fixture_goes_on(s, "pg4").await;
+
+        // A history begun before the upgrade goes on in `history`, after its first row there;
+        // one begun after it keeps its first row in the message's row, and the next in
+        // `history`. Both read as one history, in order.
+        let key_of = |v: &str| format!("pg4/{v}");
+        let all = list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                ..Default::default()
+            },
+        )
+        .await;
+        let id_of = |key: &str| {
+            all.iter()
+                .find(|r| r.message.ordering_key == key)
+                .map(|r| r.message.id.clone())
+                .expect("in the fixture")
+        };
+        let expedited = id_of(&key_of("expedited"));
+        let history = get(s, &expedited).await.history;
+        assert_eq!(history[..2], before[&expedited][..], "kept as it was");
+        assert_eq!(
+            history.iter().map(HistoryEntry::kind).collect::<Vec<_>>(),
+            ["delivery", "resend", "delivery"],
+            "the attempt after the upgrade appended to it"
+        );
+        let fresh = id_of(&key_of("fresh"));
+        assert!(
+            before[&fresh].is_empty(),
+            "never attempted before the upgrade"
+        );
+        let attempts = get(s, &fresh).await;
+        assert_eq!(attempts.history.len(), 1);
+        assert_eq!(attempts.history_total, 1);
+        let fresh_rows = |id: &MessageId| {
+            server.psql_db(
+                &db,
+                &format!(
+                    "SELECT (SELECT count(*) FROM history WHERE message_id = '{id}'), \
+                     first_entry IS NOT NULL FROM messages WHERE id = '{id}'"
+                ),
+            )
+        };
+        assert_eq!(
+            fresh_rows(&fresh),
+            "0|t",
+            "its one row is in its message's row"
+        );
+        let resent = s
+            .resend(
+                &fresh,
+                ResendMark {
+                    at: T0 + 20_000,
+                    request_id: None,
+                },
+                T0 + 20_000 + 7 * DAY_MS,
+                T0 + 20_000,
+            )
             .await
             .unwrap();
-        assert_eq!(describe(server, &db), describe(server, &new_db));
+        assert_eq!(resent, ResendEffect::Requeued);
+        assert_eq!(fresh_rows(&fresh), "1|t", "the second row is in `history`");
+        let read = get(s, &fresh).await;
+        assert_eq!(read.history[0], attempts.history[0]);
+        assert_eq!(
+            read.history
+                .iter()
+                .map(HistoryEntry::kind)
+                .collect::<Vec<_>>(),
+            ["delivery", "resend"]
+        );
+        assert_eq!(read.history_total, 2);
     }
 }
 

@@ -1,6 +1,7 @@
 //! Many messages' effects written as sets: a claim of many messages, a group-committed batch
 //! of completions. One statement writes every message row (moving those that finish to their
-//! day partition), one moves their history, one appends their history rows, and one takes the
+//! day partition, with a first history row in it), one moves their history, one appends their
+//! later history rows, and one takes the
 //! finished off their queues and makes the next of each key its head: a batch costs the server
 //! a handful of statements, not six round trips per message, which is what bounded a
 //! dispatcher's deliveries per second.
@@ -25,7 +26,7 @@ use deadpool_postgres::Transaction;
 use tokio_postgres::error::SqlState;
 
 use super::days::{Days, end_day};
-use super::effects::{Row, apply, missing_day, needs_tidy, tidy_history, to_i32};
+use super::effects::{Row, apply, is_first_row, missing_day, needs_tidy, tidy_history, to_i32};
 use super::error::{Db, column, corrupt, db_error};
 use super::listen::CHANNEL;
 use super::locks::{Lock, lock_all};
@@ -63,7 +64,7 @@ pub(super) async fn apply_set(
     let rows = MessageRows::of(&decided, days)?;
     let totals = rows.write(tx, days).await?;
     move_history(tx, &decided).await?;
-    append_history(tx, &decided, &totals).await?;
+    rows.append_later_history(tx, &totals).await?;
     leave_queues(tx, &decided).await
 }
 
@@ -131,6 +132,8 @@ struct MessageRows {
     again: Vec<bool>,
     ends_at: Vec<Option<Millis>>,
     recorded: Vec<i64>,
+    /// Each effect's history row as JSON, if it records one.
+    entries: Vec<Option<String>>,
 }
 
 impl MessageRows {
@@ -159,12 +162,21 @@ impl MessageRows {
             rows.again.push(after.again);
             rows.ends_at.push(after.ends_at);
             rows.recorded.push(effect.history.is_some().into());
+            rows.entries.push(
+                effect
+                    .history
+                    .as_ref()
+                    .map(serde_json::to_string)
+                    .transpose()
+                    .map_err(corrupt)?,
+            );
         }
         Ok(rows)
     }
 
     /// Writes the rows in one statement; a row whose end day changed moves to that day's
-    /// partition. Answers each message's `history_total` after it.
+    /// partition, and a message's first history row goes into it (`first_entry`, layout 5).
+    /// Answers each message's `history_total` after it.
     ///
     /// Each row finds its values by its id's place in the arrays (`array_position`), not by a
     /// join with `unnest` of them: with layout 4's smaller rows, the generic plan, which
@@ -181,11 +193,12 @@ impl MessageRows {
             .prepare_cached(
                 "UPDATE messages m SET (end_day, state, lease_token, delivery_attempts, \
                  attempts_before_requeue, deadline, due_at, lease_until, resume_at, \
-                 deliver_again, ends_at, history_total) = \
+                 deliver_again, ends_at, history_total, first_entry) = \
                  (SELECT ($2::int4[])[i], ($3::text[])[i], ($4::int8[])[i], ($5::int4[])[i], \
                  ($6::int4[])[i], ($7::int8[])[i], ($8::int8[])[i], ($9::int8[])[i], \
                  ($10::int8[])[i], ($11::bool[])[i], ($12::int8[])[i], \
-                 m.history_total + ($13::int8[])[i] \
+                 m.history_total + ($13::int8[])[i], \
+                 CASE WHEN m.history_total = 0 THEN ($14::text[])[i] ELSE m.first_entry END \
                  FROM (SELECT array_position($1::text[], m.id::text) AS i) p) \
                  WHERE m.end_day = 0 AND m.id = ANY($1::text[]) \
                  RETURNING m.id, m.history_total",
@@ -209,6 +222,7 @@ impl MessageRows {
                     &self.again,
                     &self.ends_at,
                     &self.recorded,
+                    &self.entries,
                 ],
             )
             .await;
@@ -234,6 +248,54 @@ impl MessageRows {
             .iter()
             .map(|row| Ok((column(row, 0)?, column(row, 1)?)))
             .collect()
+    }
+
+    /// Appends each history row after a message's first (which [`MessageRows::write`] put in
+    /// its row) as number `history_total` of its message, in one statement, then trims the few
+    /// histories long enough to need it.
+    async fn append_later_history(
+        &self,
+        tx: &Transaction<'_>,
+        totals: &HashMap<String, i64>,
+    ) -> Result<(), StoreError> {
+        let mut ids = Vec::new();
+        let mut days = Vec::new();
+        let mut seqs = Vec::new();
+        let mut entries = Vec::new();
+        for ((id, day), entry) in self.ids.iter().zip(&self.days_after).zip(&self.entries) {
+            let Some(entry) = entry else {
+                continue;
+            };
+            let seq = *totals
+                .get(id)
+                .ok_or_else(|| corrupt(format!("message {id} was not updated")))?;
+            if is_first_row(seq) {
+                continue;
+            }
+            ids.push(id.as_str());
+            days.push(*day);
+            seqs.push(seq);
+            entries.push(entry.as_str());
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let statement = tx
+            .prepare_cached(
+                "INSERT INTO history (message_id, end_day, seq, entry_json) \
+                 SELECT * FROM unnest($1::text[], $2::int4[], $3::int8[], $4::text[])",
+            )
+            .await
+            .db()?;
+        tx.execute(&statement, &[&ids, &days, &seqs, &entries])
+            .await
+            .db()?;
+        for ((id, day), seq) in ids.iter().zip(&days).zip(&seqs) {
+            if needs_tidy(*seq) {
+                tidy_history(tx, id, *day, *seq).await?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -264,52 +326,6 @@ async fn move_history(tx: &Transaction<'_>, decided: &[Decided]) -> Result<(), S
         .await
         .db()
         .map(|_| ())
-}
-
-/// Appends each effect's history row as number `history_total` of its message, in one
-/// statement, then trims the few histories long enough to need it.
-async fn append_history(
-    tx: &Transaction<'_>,
-    decided: &[Decided],
-    totals: &HashMap<String, i64>,
-) -> Result<(), StoreError> {
-    let mut ids = Vec::new();
-    let mut days = Vec::new();
-    let mut seqs = Vec::new();
-    let mut entries = Vec::new();
-    for d in decided {
-        let Some(entry) = &d.effect.history else {
-            continue;
-        };
-        let seq = *totals
-            .get(&d.id)
-            .ok_or_else(|| corrupt(format!("message {} was not updated", d.id)))?;
-        ids.push(d.id.as_str());
-        days.push(end_day(
-            d.effect.changes.applied_to(&d.row.snapshot).ends_at,
-        ));
-        seqs.push(seq);
-        entries.push(serde_json::to_string(entry).map_err(corrupt)?);
-    }
-    if ids.is_empty() {
-        return Ok(());
-    }
-    let statement = tx
-        .prepare_cached(
-            "INSERT INTO history (message_id, end_day, seq, entry_json) \
-             SELECT * FROM unnest($1::text[], $2::int4[], $3::int8[], $4::text[])",
-        )
-        .await
-        .db()?;
-    tx.execute(&statement, &[&ids, &days, &seqs, &entries])
-        .await
-        .db()?;
-    for ((id, day), seq) in ids.iter().zip(&days).zip(&seqs) {
-        if needs_tidy(*seq) {
-            tidy_history(tx, id, *day, *seq).await?;
-        }
-    }
-    Ok(())
 }
 
 /// Takes the messages whose effect leaves their queue off it, makes the next of each key

@@ -288,7 +288,7 @@ mod tests {
             config.get_ssl_mode(),
             tokio_postgres::config::SslMode::Require
         );
-        assert_eq!(config.get_application_name(), Some("callbackd/4"));
+        assert_eq!(config.get_application_name(), Some("callbackd/5"));
         assert_eq!(
             config.get_connect_timeout(),
             Some(&Duration::from_millis(1500))

@@ -94,12 +94,19 @@ pub(super) async fn apply(
             "UPDATE messages SET end_day = $3, state = $4, lease_token = $5, \
              delivery_attempts = $6, attempts_before_requeue = $7, deadline = $8, due_at = $9, \
              lease_until = $10, resume_at = $11, deliver_again = $12, ends_at = $13, \
-             history_total = history_total + $14 \
+             history_total = history_total + $14, \
+             first_entry = CASE WHEN history_total = 0 THEN $15 ELSE first_entry END \
              WHERE id = $1 AND end_day = $2 RETURNING history_total",
         )
         .await
         .db()?;
     let recorded: i64 = effect.history.is_some().into();
+    let entry = effect
+        .history
+        .as_ref()
+        .map(serde_json::to_string)
+        .transpose()
+        .map_err(corrupt)?;
     let updated = tx
         .query_one(
             &statement,
@@ -118,6 +125,7 @@ pub(super) async fn apply(
                 &after.again,
                 &after.ends_at,
                 &recorded,
+                &entry,
             ],
         )
         .await;
@@ -138,8 +146,10 @@ pub(super) async fn apply(
         .await
         .db()?;
     }
-    if let Some(entry) = &effect.history {
-        record_history(tx, id, day, history_total, entry).await?;
+    if let Some(entry) = entry
+        && !is_first_row(history_total)
+    {
+        record_later_history(tx, id, day, history_total, &entry).await?;
     }
     move_in_queue(tx, &row.ordering_key, id, effect.queue).await
 }
@@ -150,16 +160,23 @@ pub(super) fn missing_day(day: i32) -> StoreError {
     ))
 }
 
-/// Appends history row number `seq` (the message's new `history_total`), then
-/// [`tidy_history`].
-async fn record_history(
+/// Whether history row number `seq` is its message's first, which layout 5 keeps in the
+/// message's row (`first_entry`), written with it, rather than in `history`: most messages
+/// have no other, and a row of its own cost more than the entry (BENCHMARKS.md, "PostgreSQL
+/// layout 5").
+pub(super) fn is_first_row(seq: i64) -> bool {
+    seq == 1
+}
+
+/// Appends history row number `seq` (the message's new `history_total`, after its first) as
+/// `json`, then [`tidy_history`].
+async fn record_later_history(
     tx: &Transaction<'_>,
     id: &str,
     day: i32,
     seq: i64,
-    entry: &HistoryEntry,
+    json: &str,
 ) -> Result<(), StoreError> {
-    let json = serde_json::to_string(entry).map_err(corrupt)?;
     let insert = tx
         .prepare_cached(
             "INSERT INTO history (message_id, end_day, seq, entry_json) VALUES ($1, $2, $3, $4)",

@@ -16,10 +16,11 @@
 //!   parent, which PostgreSQL carries to every partition). It is applied by the first
 //!   callbackd of the new layout that starts. A layout that only adds (a table, a column with
 //!   a default: layouts 2 and 3) lets processes of the layout before it run on beside it. One
-//!   that writes rows they cannot read (layout 4: `message_json` NULL) is not applied while
-//!   one of them is connected ([`refuse_older_peers`]): every older process is stopped first,
-//!   as for a Redis layout change. Processes of an older layout started after the upgrade
-//!   refuse to start ([`check_version`]).
+//!   that writes rows they cannot read (layout 4: `message_json` NULL; layout 5: a history's
+//!   first row outside `history`) is not applied while one of them is connected
+//!   ([`refuse_older_peers`]): every older process is stopped first, as for a Redis layout
+//!   change. Processes of an older layout started after the upgrade refuse to start
+//!   ([`check_version`]).
 //!
 //! Beside the layout, `callbackd_partitions` records the store's partition count
 //! (`store.partitions`, [`crate::store::partitions::settle`]) in the same transaction.
@@ -33,27 +34,45 @@ use crate::store::StoreError;
 use crate::store::partitions::{self, Found, Partitions};
 
 /// The layout this binary reads and writes: the last of [`MIGRATIONS`].
-pub const LAYOUT_VERSION: i32 = 4;
+pub const LAYOUT_VERSION: i32 = 5;
 
 /// Each layout version and the SQL that builds it from the one before.
-const MIGRATIONS: [(i32, &str); 4] = [
+const MIGRATIONS: [(i32, &str); 5] = [
     (1, include_str!("migrations/0001_layout.sql")),
     (2, include_str!("migrations/0002_delivery_counts.sql")),
     (3, include_str!("migrations/0003_recoveries.sql")),
     (4, include_str!("migrations/0004_compact_records.sql")),
+    (5, include_str!("migrations/0005_first_history_row.sql")),
 ];
 
-/// The first layout whose rows the processes of the layout before it cannot read (a NULL
-/// `message_json`): it is not applied while one of them is connected ([`refuse_older_peers`]).
-const FIRST_UNREADABLE_TO_OLDER: i32 = 4;
-
-/// The `application_name` of layouts 1 to 3, set when the URL names none.
-const OLDER_APPLICATION_NAME: &str = "callbackd";
+/// The layouts whose rows the processes of the layouts before them cannot read (4: a NULL
+/// `message_json`; 5: a first history row in `messages.first_entry`): neither is applied while
+/// one of those processes is connected ([`refuse_older_peers`]).
+const UNREADABLE_TO_OLDER: [i32; 2] = [4, 5];
 
 /// The `application_name` this binary's connections carry when the URL names none: its layout
 /// rides in it, so that a later upgrade can tell this process from a newer one.
 pub(super) fn application_name() -> String {
-    format!("callbackd/{LAYOUT_VERSION}")
+    application_name_of(LAYOUT_VERSION)
+}
+
+/// The `application_name` a process of `layout` gives its connections when its URL names
+/// none: layouts 1 to 3 did not name their layout.
+fn application_name_of(layout: i32) -> String {
+    if layout < 4 {
+        "callbackd".to_string()
+    } else {
+        format!("callbackd/{layout}")
+    }
+}
+
+/// Whether bringing a database from layout `found` to this binary's writes rows that the
+/// processes using it now cannot read: not for an empty database, which none uses.
+fn upgrade_unreadable_to_older(found: i32) -> bool {
+    found >= 1
+        && UNREADABLE_TO_OLDER
+            .iter()
+            .any(|&layout| layout > found && layout <= LAYOUT_VERSION)
 }
 
 /// How long a start may take to bring the layout up to date, waiting for another process's
@@ -103,7 +122,7 @@ pub(super) async fn migrate(
     // Read again under the lock: another process may have migrated while this one waited.
     let found = read_recorded(&tx).await?;
     check_version(found.version)?;
-    if (1..FIRST_UNREADABLE_TO_OLDER).contains(&found.version) {
+    if upgrade_unreadable_to_older(found.version) {
         refuse_older_peers(&tx, found.version).await?;
     }
     for (version, sql) in MIGRATIONS {
@@ -195,25 +214,29 @@ async fn read_recorded(
     })
 }
 
-/// Refuses to upgrade a database in use by a process of an older layout, which would fail on
-/// every row written after the upgrade; names their server pids and where they connect from.
-/// It sees them by their default `application_name`, so one whose URL sets another is not
-/// seen, nor is one with no connection open at this instant; and when this process carries
-/// that name itself (its URL sets it), it cannot tell older ones from its own connections and
-/// does not look: docs/storage.md asks to stop every older process first.
+/// Refuses to upgrade a database in use by a process of an older layout, which would misread
+/// the rows written after the upgrade; names their server pids and where they connect from.
+/// It sees them by the `application_name` each older layout gives its connections, so one
+/// whose URL sets another is not seen, nor is one with no connection open at this instant; and
+/// when this process carries one of those names itself (its URL sets it), it cannot tell older
+/// ones from its own connections and does not look: docs/storage.md asks to stop every older
+/// process first.
 async fn refuse_older_peers(
     tx: &deadpool_postgres::Transaction<'_>,
     found: i32,
 ) -> Result<(), StoreError> {
+    let mut older: Vec<String> = (1..LAYOUT_VERSION).map(application_name_of).collect();
+    older.dedup();
     let row = tx
         .query_one(
-            "SELECT count(*), coalesce(string_agg(pid || ' from ' || \
+            "SELECT count(*), coalesce(string_agg(pid || ' as ' || application_name || ' from ' || \
                coalesce(host(client_addr), 'a local socket or an address hidden from this role'), \
                ', ' ORDER BY pid), '') \
              FROM pg_stat_activity \
              WHERE datname = current_database() AND pid <> pg_backend_pid() \
-               AND application_name = $1 AND current_setting('application_name') <> $1",
-            &[&OLDER_APPLICATION_NAME],
+               AND application_name = ANY($1) \
+               AND current_setting('application_name') <> ALL($1)",
+            &[&older],
         )
         .await
         .db()?;
@@ -223,9 +246,14 @@ async fn refuse_older_peers(
     }
     Err(StoreError::Incompatible(format!(
         "the PostgreSQL store has layout version {found}, and {count} connection(s) of an older \
-         callbackd (application_name '{OLDER_APPLICATION_NAME}'; server pid {from}) are open: layout \
-         {LAYOUT_VERSION} stores messages in a form layout {found} cannot read; stop every older \
-         callbackd, then start this one"
+         callbackd (application_name {}; server pid {from}) are open: layout {LAYOUT_VERSION} \
+         stores messages in a form layout {found} cannot read; stop every older callbackd, then \
+         start this one",
+        older
+            .iter()
+            .map(|name| format!("'{name}'"))
+            .collect::<Vec<_>>()
+            .join(" or ")
     )))
 }
 
@@ -251,6 +279,17 @@ mod tests {
             assert_eq!(*version, n as i32 + 1);
         }
         assert_eq!(MIGRATIONS.last().map(|(v, _)| *v), Some(LAYOUT_VERSION));
+    }
+
+    #[test]
+    fn an_upgrade_looks_for_older_processes_only_where_its_rows_are_new_to_them() {
+        assert!(!upgrade_unreadable_to_older(0), "an empty database");
+        for found in 1..LAYOUT_VERSION {
+            assert!(upgrade_unreadable_to_older(found), "from layout {found}");
+        }
+        assert!(!upgrade_unreadable_to_older(LAYOUT_VERSION));
+        assert_eq!(application_name_of(3), "callbackd");
+        assert_eq!(application_name(), format!("callbackd/{LAYOUT_VERSION}"));
     }
 
     #[test]

@@ -48,7 +48,7 @@ fn record_from_row(row: &Row, history: Vec<HistoryEntry>) -> Result<MessageRecor
 pub(super) async fn get(client: &Client, id: &str) -> Result<Option<MessageRecord>, StoreError> {
     let statement = client
         .prepare_cached(&format!(
-            "SELECT m.id, {RECORD}, {STATE_COLUMNS}, \
+            "SELECT m.id, {RECORD}, {STATE_COLUMNS}, m.first_entry, \
                ARRAY(SELECT h.entry_json FROM history h \
                      WHERE h.message_id = m.id AND h.end_day = m.end_day ORDER BY h.seq) \
              FROM messages m WHERE m.id = $1 AND {NOT_GONE}"
@@ -65,9 +65,13 @@ pub(super) async fn get(client: &Client, id: &str) -> Result<Option<MessageRecor
             )));
         }
     };
-    let history: Vec<String> = column(row, 8)?;
-    let history = history
+    // Layout 5 keeps the first row in the message's row; a message written before keeps
+    // it in `history`, as its row number 1, and has no `first_entry`.
+    let first: Option<String> = column(row, 8)?;
+    let later: Vec<String> = column(row, 9)?;
+    let history = first
         .iter()
+        .chain(&later)
         .map(|entry| serde_json::from_str(entry).map_err(corrupt))
         .collect::<Result<_, _>>()?;
     record_from_row(row, history).map(Some)
