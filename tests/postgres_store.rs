@@ -236,10 +236,12 @@ fn every_layout() -> String {
         .join(",")
 }
 
-/// Layouts 5 and 4 undone: what `migrations/0005_first_history_row.sql` and
+/// Layouts 5 and 4 undone: what `migrations/0005_lean_finished_rows.sql` and
 /// `0004_compact_records.sql` changed, put back as layout 3 had it (on a database whose rows
 /// all keep `message_json` and their whole history in `history`).
 const UNDO_LAYOUTS_5_AND_4: &str = "ALTER TABLE messages DROP COLUMN first_entry; \
+    DROP INDEX messages_by_key; \
+    CREATE INDEX messages_by_key ON messages (ordering_key, id); \
     DELETE FROM callbackd_layout WHERE version = 5; \
     DROP INDEX messages_by_state, messages_live_by_source; \
     ALTER TABLE messages DROP COLUMN record; \

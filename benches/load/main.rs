@@ -33,9 +33,11 @@
 //!
 //! `--only=<phase>[,<phase>...]` runs some of them: `ingest` (1-3), `dispatch` (4), `queue`
 //! (5), `sqlite` (6), `cluster` (7), `postgres` (8); e.g.
-//! `cargo bench --bench load -- --quick --only=cluster`. `--only=postgres-backlog` runs phase
-//! 8's claim + complete with a future backlog alone, on a server of its own: at full size its
-//! 1M backlog without the 2M retention run.
+//! `cargo bench --bench load -- --quick --only=cluster`. Parts of phase 8 run alone, each on a
+//! server of its own: `--only=postgres-backlog`, claim + complete with a future backlog (at full
+//! size its 1M backlog without the 2M retention run); `--only=postgres-size`, bytes on disk
+//! per finished callback; `--only=postgres-retention`, the retention run (at full size its 2M
+//! callbacks over 90 virtual days, without the rest of the phase).
 //!
 //! The load generator is a minimal HTTP/1.1 keep-alive client over raw sockets with requests
 //! formatted up front, so that on a small machine it takes as little CPU from the server as
@@ -98,6 +100,7 @@ use callbackd::clock::{Clock, SystemClock};
 
 use crate::daemon::OWNED_ENV;
 use crate::machine::{command_output, cpu_model, loadavg};
+use crate::postgres::Part;
 use crate::redis_stats::Redis;
 use crate::sink::Arrivals;
 
@@ -335,7 +338,7 @@ struct Env {
 }
 
 /// The phases in the order they run, by the names `--only=` takes.
-const PHASES: [&str; 7] = [
+const PHASES: [&str; 9] = [
     "ingest",
     "dispatch",
     "queue",
@@ -343,11 +346,13 @@ const PHASES: [&str; 7] = [
     "cluster",
     "postgres",
     "postgres-backlog",
+    "postgres-size",
+    "postgres-retention",
 ];
 
 /// Parts of a phase that run alone only when `--only=` names them: a run of every phase has
 /// them in their phase already.
-const ONLY_WHEN_NAMED: [&str; 1] = ["postgres-backlog"];
+const ONLY_WHEN_NAMED: [&str; 3] = ["postgres-backlog", "postgres-size", "postgres-retention"];
 
 async fn run(plan: Plan, only: Vec<String>) -> i32 {
     let started = Instant::now();
@@ -385,7 +390,9 @@ async fn run(plan: Plan, only: Vec<String>) -> i32 {
             "queue" => backlog::run(&env, &mut report).await,
             "sqlite" => sqlite::run(&env, &mut report).await,
             "cluster" => cluster::run(&env, &mut report).await,
-            "postgres-backlog" => postgres::run_backlog(&env, &mut report).await,
+            "postgres-backlog" => postgres::run_alone(&env, &mut report, Part::Backlog).await,
+            "postgres-size" => postgres::run_alone(&env, &mut report, Part::Size).await,
+            "postgres-retention" => postgres::run_alone(&env, &mut report, Part::Retention).await,
             _ => postgres::run(&env, &mut report).await,
         };
         if let Err(e) = result {

@@ -43,13 +43,28 @@ pub async fn run(env: &Env, report: &mut Report) -> Result<(), String> {
     Ok(())
 }
 
-/// Claim + complete with a future backlog alone (`--only=postgres-backlog`).
-pub async fn run_backlog(env: &Env, report: &mut Report) -> Result<(), String> {
-    eprintln!("[8/8, alone] PostgreSQL: claim + complete with a future backlog");
+/// A part of the phase that can run alone, on a server of its own.
+#[derive(Debug, Clone, Copy)]
+pub enum Part {
+    /// Claim + complete with a future backlog (`--only=postgres-backlog`).
+    Backlog,
+    /// Bytes on disk per finished callback (`--only=postgres-size`).
+    Size,
+    /// The retention run (`--only=postgres-retention`).
+    Retention,
+}
+
+/// One part of the phase alone.
+pub async fn run_alone(env: &Env, report: &mut Report, part: Part) -> Result<(), String> {
+    eprintln!("[8/8, alone] PostgreSQL: {part:?}");
     let Some(pg) = start(report).await? else {
         return Ok(());
     };
-    backlog(env, &pg, report).await
+    match part {
+        Part::Backlog => backlog(env, &pg, report).await,
+        Part::Size => disk_per_callback(env, &pg, report).await,
+        Part::Retention => pg_retention::run(env, &pg, report).await,
+    }
 }
 
 /// The phase's server, reported; `None`, reported too, when PostgreSQL is not installed.

@@ -79,11 +79,12 @@ pub(super) async fn get(client: &Client, id: &str) -> Result<Option<MessageRecor
 
 /// Every filter is answered by SQL, every partition's rows merged in id order (ids sort by
 /// creation time, so the time window is an id range); the extra row of `limit + 1` only tells
-/// whether the scan reached the end. Pending, in-flight and dead messages and ordering keys are
-/// read by index, a page's worth. Delivered and recorded messages, and a source's finished
-/// ones, are read by walking the finished days' primary keys (layout 4 keeps no index of
-/// them there): a page reads the rows it skips too, few for what finished days are made of,
-/// more for a rare source.
+/// whether the scan reached the end. Pending, in-flight and dead messages are read by index, a
+/// page's worth; ordering keys by a hash index (layout 5), every row of the keys, a handful
+/// each (a transaction's or a payment's), sorted. Delivered and recorded messages, and a
+/// source's finished ones, are read by walking the finished days' primary keys (layout 4 keeps
+/// no index of them there): a page reads the rows it skips too, few for what finished days are
+/// made of, more for a rare source.
 pub(super) async fn list(client: &Client, filter: &ListFilter) -> Result<Page, StoreError> {
     let limit = filter.limit.clamp(1, 100_000);
     let mut sql =
