@@ -4701,19 +4701,23 @@ mod postgres_only {
         let s = h.s();
         the_release_fixture_goes_on(s, "pg3").await;
 
-        // A new message's record is kept compressed, and read back byte for byte.
+        // A new message's record is kept compressed with the dictionary (its mark first), and
+        // read back byte for byte.
         let now = T0 + 10_000;
         let (id, body, json_len) = accept_compressible(s, "pg4/after-upgrade", now).await;
         let stored = server.psql_db(
             &db,
             &format!(
-                "SELECT octet_length(record), message_json IS NULL FROM messages WHERE id = '{id}'"
+                "SELECT octet_length(record), message_json IS NULL, get_byte(record, 0) \
+                 FROM messages WHERE id = '{id}'"
             ),
         );
-        let (record_len, no_json) = stored.split_once('|').expect("one row");
+        let [record_len, no_json, first_byte] = stored.split('|').collect::<Vec<_>>()[..] else {
+            panic!("one row: {stored}");
+        };
         let record_len: usize = record_len.parse().unwrap();
         assert!(
-            record_len * 2 < json_len && no_json == "t",
+            record_len * 2 < json_len && no_json == "t" && first_byte == "1",
             "{record_len} bytes stored for {json_len} bytes of JSON ({stored})"
         );
         assert_eq!(get(s, &id).await.message.body.as_bytes(), body.as_bytes());

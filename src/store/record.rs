@@ -1,16 +1,20 @@
 //! A message's record: the [`NewMessage`] as JSON, compressed with zstd when that makes it
 //! smaller. Redis keeps it in its hash (layout 5, `redis/record.rs`), PostgreSQL in the
-//! `record` column of `messages` (layout 4); SQLite keeps the JSON.
+//! `record` column of `messages` (layout 4; from layout 5 compressed with [`DICTIONARY_1`]);
+//! SQLite keeps the JSON.
 //!
 //! Why: the record is most of what a message keeps for its whole retention (a ~330-byte body
 //! escaped inside ~670 bytes of JSON). JSON repeats its field names and escapes the body's
 //! quotes, so zstd takes a third or more off (BENCHMARKS.md, "Redis layout 5" and "PostgreSQL
-//! layout 4"). Nothing in the engines' scripts or SQL reads inside the record, so its form is
-//! this file's alone.
+//! layout 4"). A record is too short for zstd to learn much from it alone; a dictionary of what
+//! every record holds (the field names, the kinds, the shape of a notification's body) takes
+//! off another 70 to 100 bytes (BENCHMARKS.md, "PostgreSQL layout 5"). Nothing in the engines'
+//! scripts or SQL reads inside the record, so its form is this file's alone.
 //!
-//! The two forms tell themselves apart by their first bytes: a zstd frame starts with its
-//! magic number, JSON with `{`. So records written as JSON by older layouts stay readable as
-//! they are, and an upgrade rewrites none of them.
+//! The forms tell themselves apart by their first bytes: a zstd frame starts with its magic
+//! number, JSON with `{`, a frame made with a dictionary with that dictionary's mark. So
+//! records written by older layouts stay readable as they are, and an upgrade rewrites none of
+//! them.
 
 use std::cell::RefCell;
 
@@ -25,6 +29,29 @@ const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
 /// the slower ones little more.
 const LEVEL: i32 = 3;
 
+/// The first dictionary: what every record holds, whatever its body. A raw-content dictionary
+/// (zstd finds matches in it as in earlier input; the nearer its end, the cheaper), so the
+/// strings every record has come last.
+///
+/// **Never change these bytes**: every record written with them must stay readable for its
+/// whole retention. A better dictionary is a new constant with a new mark, both kept for as
+/// long as any record may use them.
+pub(crate) const DICTIONARY_1: &[u8] = concat!(
+    r#"{"status":"","amount":,"currency":"BRL","createdAt":"","updatedAt":"","type":"","event":""#,
+    r#"undefined","approved","denied","cancelled","settled","refunded","Pix","BankInvoice""#,
+    r#"{"id":"","kind":"notification","paymentId":"","orderingKey":"pay/","targetUrl":"https://","#,
+    r#""headers":{"X-VTEX-API-AppKey":"","X-VTEX-API-AppToken":""},"#,
+    r#""body":"{\"paymentId\":\"\",\"status\":\"approved\",\"callbackUrl\":\"https://\"}","#,
+    r#""createdAt":17,"deadline":17}"#,
+    r#"{"id":"","kind":"inbound","source":"","transactionId":"","orderingKey":"src/","event":"","#,
+    r#""targetUrl":"https://","body":"{\"id\":\"","createdAt":17,"deadline":17}"#,
+)
+.as_bytes();
+
+/// The byte before a frame compressed with [`DICTIONARY_1`]: neither JSON's `{` nor a frame's
+/// first byte.
+const DICTIONARY_1_MARK: u8 = 0x01;
+
 /// The largest record kept compressed, and so the most a compressed field may unpack to: far
 /// above any record of the default `server.max_body_bytes` (1 MiB, escaped at most 6× in the
 /// JSON). A larger record is kept as JSON, so a corrupt field can never make a read allocate
@@ -32,39 +59,93 @@ const LEVEL: i32 = 3;
 const MAX_COMPRESSED_RECORD: usize = 64 << 20;
 
 thread_local! {
-    /// One compression context per thread, kept: making one costs more than compressing a
-    /// record.
+    /// One compression context per thread and dictionary, kept: making one costs more than
+    /// compressing a record.
     static COMPRESSOR: RefCell<Option<Compressor<'static>>> = const { RefCell::new(None) };
     static DECOMPRESSOR: RefCell<Option<Decompressor<'static>>> = const { RefCell::new(None) };
+    static DICTIONARY_1_COMPRESSOR: RefCell<Option<Compressor<'static>>> =
+        const { RefCell::new(None) };
+    static DICTIONARY_1_DECOMPRESSOR: RefCell<Option<Decompressor<'static>>> =
+        const { RefCell::new(None) };
 }
 
-/// The record of `message`: compressed when that is smaller, else the JSON itself.
+/// The record of `message`: compressed when that is smaller, else the JSON itself. The form
+/// Redis layout 5 writes.
 pub(crate) fn encode(message: &NewMessage) -> Result<Vec<u8>, StoreError> {
     let json = serde_json::to_vec(message).map_err(corrupt)?;
-    if json.len() > MAX_COMPRESSED_RECORD {
-        return Ok(json);
-    }
-    let compressed = COMPRESSOR.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        let compressor = match slot.as_mut() {
-            Some(compressor) => compressor,
-            None => slot.insert(Compressor::new(LEVEL)?),
-        };
-        compressor.compress(&json)
+    let compressed = compress(&COMPRESSOR, &json, || Compressor::new(LEVEL));
+    Ok(smaller(json, compressed, &[]))
+}
+
+/// The record of `message` compressed with [`DICTIONARY_1`] when that is smaller, else the
+/// JSON itself. The form PostgreSQL layout 5 writes: older layouts' readers do not know it.
+pub(crate) fn encode_with_dictionary(message: &NewMessage) -> Result<Vec<u8>, StoreError> {
+    let json = serde_json::to_vec(message).map_err(corrupt)?;
+    let compressed = compress(&DICTIONARY_1_COMPRESSOR, &json, || {
+        Compressor::with_dictionary(LEVEL, DICTIONARY_1)
     });
+    Ok(smaller(json, compressed, &[DICTIONARY_1_MARK]))
+}
+
+type Contexts<T> = std::thread::LocalKey<RefCell<Option<T>>>;
+
+/// `json` compressed by this thread's context of `contexts`, made by `make` the first time;
+/// `None` when it is too large to keep compressed, or zstd failed.
+fn compress(
+    contexts: &'static Contexts<Compressor<'static>>,
+    json: &[u8],
+    make: impl FnOnce() -> std::io::Result<Compressor<'static>>,
+) -> Option<Vec<u8>> {
+    if json.len() > MAX_COMPRESSED_RECORD {
+        return None;
+    }
+    contexts
+        .with(|cell| {
+            let mut slot = cell.borrow_mut();
+            let compressor = match slot.as_mut() {
+                Some(compressor) => compressor,
+                None => slot.insert(make()?),
+            };
+            compressor.compress(json)
+        })
+        .ok()
+}
+
+/// `mark` and `compressed` when that is smaller than `json`, else `json`: a valid record
+/// either way.
+fn smaller(json: Vec<u8>, compressed: Option<Vec<u8>>, mark: &[u8]) -> Vec<u8> {
     match compressed {
-        Ok(compressed) if compressed.len() < json.len() => Ok(compressed),
-        // Incompressible, or zstd failed: the JSON is a valid record either way.
-        _ => Ok(json),
+        Some(compressed) if mark.len() + compressed.len() < json.len() => {
+            [mark, &compressed].concat()
+        }
+        _ => json,
     }
 }
 
-/// The message a record holds, in either form.
+/// The message a record holds, in any of its forms.
 pub(crate) fn decode(rec: &[u8]) -> Result<NewMessage, StoreError> {
-    if !rec.starts_with(&ZSTD_MAGIC) {
-        return serde_json::from_slice(rec).map_err(corrupt);
+    let json = match rec.split_first() {
+        Some((&DICTIONARY_1_MARK, frame)) => decompress(&DICTIONARY_1_DECOMPRESSOR, frame, || {
+            Decompressor::with_dictionary(DICTIONARY_1)
+        })?,
+        _ if rec.starts_with(&ZSTD_MAGIC) => decompress(&DECOMPRESSOR, rec, Decompressor::new)?,
+        _ => return serde_json::from_slice(rec).map_err(corrupt),
+    };
+    serde_json::from_slice(&json).map_err(corrupt)
+}
+
+/// The JSON `frame` holds, by this thread's context of `contexts`, made by `make` the first
+/// time; an error, never a huge allocation, when its header says it holds more than a record
+/// may.
+fn decompress(
+    contexts: &'static Contexts<Decompressor<'static>>,
+    frame: &[u8],
+    make: impl FnOnce() -> std::io::Result<Decompressor<'static>>,
+) -> Result<Vec<u8>, StoreError> {
+    if !frame.starts_with(&ZSTD_MAGIC) {
+        return Err(corrupt("a compressed message record is not a zstd frame"));
     }
-    let size = match zstd::zstd_safe::get_frame_content_size(rec) {
+    let size = match zstd::zstd_safe::get_frame_content_size(frame) {
         Ok(Some(size)) if size <= MAX_COMPRESSED_RECORD as u64 => size as usize,
         other => {
             return Err(corrupt(format!(
@@ -72,17 +153,16 @@ pub(crate) fn decode(rec: &[u8]) -> Result<NewMessage, StoreError> {
             )));
         }
     };
-    let json = DECOMPRESSOR
+    contexts
         .with(|cell| {
             let mut slot = cell.borrow_mut();
             let decompressor = match slot.as_mut() {
                 Some(decompressor) => decompressor,
-                None => slot.insert(Decompressor::new()?),
+                None => slot.insert(make()?),
             };
-            decompressor.decompress(rec, size)
+            decompressor.decompress(frame, size)
         })
-        .map_err(corrupt)?;
-    serde_json::from_slice(&json).map_err(corrupt)
+        .map_err(corrupt)
 }
 
 fn corrupt(what: impl std::fmt::Display) -> StoreError {
@@ -130,6 +210,86 @@ pub(crate) mod tests {
         let original = message(r#"{"id":"tx-1"}"#);
         let json = serde_json::to_vec(&original).unwrap();
         assert_eq!(decode(&json).unwrap(), original);
+    }
+
+    /// A gateway notification: the record the dictionary knows best.
+    fn notification() -> NewMessage {
+        NewMessage {
+            id: MessageId::for_claim(
+                1_764_460_800_000,
+                "pay/pay-8812",
+                Partitions::DEFAULT,
+                "notification/pay-8812/approved",
+            ),
+            kind: MessageKind::Notification,
+            source: None,
+            transaction_id: None,
+            payment_id: Some("pay-8812".into()),
+            ordering_key: "pay/pay-8812".into(),
+            headers: [
+                ("X-VTEX-API-AppKey", "key"),
+                ("X-VTEX-API-AppToken", "token"),
+            ]
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .into(),
+            ..message(
+                r#"{"paymentId":"pay-8812","status":"approved","callbackUrl":"https://gateway.example/cb"}"#,
+            )
+        }
+    }
+
+    #[test]
+    fn a_record_compressed_with_the_dictionary_is_smaller_and_read_back_byte_for_byte() {
+        let payzu = message(
+            r#"{"id":"tx-1","status":"PAID","amount":12345,"currency":"BRL","createdAt":"2026-12-05T12:00:00Z"}"#,
+        );
+        for original in [payzu, notification()] {
+            let with = encode_with_dictionary(&original).unwrap();
+            let without = encode(&original).unwrap();
+            assert_eq!(with[0], DICTIONARY_1_MARK);
+            assert!(
+                with.len() + 40 < without.len(),
+                "{} with the dictionary, {} without",
+                with.len(),
+                without.len()
+            );
+            let read = decode(&with).unwrap();
+            assert_eq!(read, original);
+            assert_eq!(read.body.as_bytes(), original.body.as_bytes());
+        }
+    }
+
+    /// A record PostgreSQL layout 5 wrote with [`DICTIONARY_1`] when it was first released:
+    /// it must read the same for as long as such a record may be kept, so neither the
+    /// dictionary nor its mark may change.
+    #[test]
+    fn a_record_written_with_the_first_dictionary_reads_the_same_in_every_later_release() {
+        const WRITTEN: &str = concat!(
+            "0128b52ffd608a007d04008246171c706975405413294cb54dfa4fd2a40c00e0272464f98d628afe",
+            "ffe1058bff7faabccaeb33a524705c44c35598660ec6660745c39c5b8e2ebcb6890640661736743b",
+            "e23e74548db88f93d3dc4b212b905619f915ada36405e703a5690110002384001c6b3048c23a5398",
+            "0cc8818ebdc07f199dbfcbb05f8e650d5a7b51003426419b59794300d1e0935c0304",
+        );
+        let rec = hex::decode(WRITTEN).expect("hex");
+        assert_eq!(decode(&rec).unwrap(), notification());
+        // The record above reads only the parts of the dictionary it matched; records with
+        // other bodies read the rest, so every byte is pinned.
+        assert_eq!(
+            crate::digest::short_hash(DICTIONARY_1),
+            "-IT62raBTA7A6XGLv4zuYQ",
+            "DICTIONARY_1 changed: records written with it would no longer read"
+        );
+    }
+
+    #[test]
+    fn a_corrupt_record_of_the_dictionary_is_an_error() {
+        let rec = encode_with_dictionary(&notification()).unwrap();
+        assert!(decode(&rec[..rec.len() / 2]).is_err(), "cut short");
+        assert!(decode(&[DICTIONARY_1_MARK, b'{']).is_err(), "not a frame");
+        assert!(
+            decode(&[DICTIONARY_1_MARK]).is_err(),
+            "nothing after the mark"
+        );
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //!   callbackd of the new layout that starts. A layout that only adds (a table, a column with
 //!   a default: layouts 2 and 3) lets processes of the layout before it run on beside it. One
 //!   that writes rows they cannot read (layout 4: `message_json` NULL; layout 5: a history's
-//!   first row outside `history`) is not applied while one of them is connected
+//!   first row outside `history`, records compressed with a dictionary) is not applied while
+//!   one of them is connected
 //!   ([`refuse_older_peers`]): every older process is stopped first, as for a Redis layout
 //!   change. Processes of an older layout started after the upgrade refuse to start
 //!   ([`check_version`]).
@@ -46,8 +47,9 @@ const MIGRATIONS: [(i32, &str); 5] = [
 ];
 
 /// The layouts whose rows the processes of the layouts before them cannot read (4: a NULL
-/// `message_json`; 5: a first history row in `messages.first_entry`): neither is applied while
-/// one of those processes is connected ([`refuse_older_peers`]).
+/// `message_json`; 5: a first history row in `messages.first_entry`, a record compressed with a
+/// dictionary): neither is applied while one of those processes is connected
+/// ([`refuse_older_peers`]).
 const UNREADABLE_TO_OLDER: [i32; 2] = [4, 5];
 
 /// The `application_name` this binary's connections carry when the URL names none: its layout

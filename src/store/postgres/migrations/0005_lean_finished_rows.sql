@@ -1,8 +1,9 @@
 -- Layout 5: a finished callback in less disk, by the two things it kept that cost more than
 -- what they held (BENCHMARKS.md, "PostgreSQL layout 5").
 --
--- Processes of layout 4 would show a history without its first row, so migrate.rs does not
--- apply this while one of them is connected (docs/storage.md, "Upgrades").
+-- Processes of layout 4 would show a history without its first row, and could not read a
+-- record compressed with a dictionary (store/record.rs: from this layout, new records are), so
+-- migrate.rs does not apply this while one of them is connected (docs/storage.md, "Upgrades").
 
 -- A message's first history row in its own row, not in `history`. Most messages have one
 -- row, their only delivery; a row of its own cost its tuple header, the message id again and
