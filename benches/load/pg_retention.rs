@@ -187,6 +187,29 @@ pub async fn run(env: &Env, pg: &Pg, report: &mut Report) -> Result<(), String> 
         "PostgreSQL retention: the largest size in each retention period after the first",
         periods.join("; "),
     );
+    // What a month of callbacks costs on disk at this size, its live partitions at the
+    // backlog a day's work leaves and not at a small run's share: the largest size once the
+    // store holds one retention period, over the callbacks a period keeps.
+    if let Some(top) = plateau.iter().max_by_key(|d| d.size.total()) {
+        let kept = (RETENTION_DAYS as u64 * per_day) as f64;
+        let per = |bytes: i64| bytes as f64 / kept;
+        let total = per(top.size.total());
+        report.target(
+            format!(
+                "PostgreSQL bytes on disk per retained callback (one attempt), the largest size over days {RETENTION_DAYS}–{DAYS} over the {} callbacks a retention period keeps",
+                rate(kept)
+            ),
+            format!(
+                "{total:.0} B (finished days {:.0} + dedupe claims {:.0} + live partitions and queue {:.0} + other {:.0})",
+                per(top.size.finished),
+                per(top.size.claims),
+                per(top.size.live),
+                per(top.size.other)
+            ),
+            "≤ 1 KB",
+            Some(total <= 1024.0),
+        );
+    }
     // The sweeps that had a day to take: from day 31 on.
     let swept = &days[first..];
     let median = |f: &dyn Fn(&Day) -> f64| {
