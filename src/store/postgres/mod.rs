@@ -104,7 +104,7 @@ const DB_NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 const NOT_GONE: &str = "(m.end_day = 0 OR m.ends_at > (SELECT swept_to FROM sweep_horizon))";
 
 /// A message's record (`store/record.rs`) as bytes, as SQL on `messages m`: `record` as
-/// layout 4 writes it, else the JSON that layout 3 wrote in `message_json`.
+/// layouts 4 and 5 write it, else the JSON that layout 3 wrote in `message_json`.
 const RECORD: &str = "coalesce(m.record, convert_to(m.message_json, 'UTF8'))";
 
 /// How to reach PostgreSQL beyond its URL.

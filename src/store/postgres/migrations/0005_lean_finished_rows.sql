@@ -18,7 +18,8 @@ ALTER TABLE messages ADD COLUMN first_entry text;
 -- Listing by ordering key (a transaction's or a payment's messages, a handful each) by a hash
 -- of the key instead of a B-tree of the key and the id: 35 bytes an entry instead of 135
 -- (both written in random key order, as finishes come). The listing reads a key's few rows
--- and sorts them by id. Filled to 100%: its pages are written as a day fills and then only
--- read. Building it reads every retained message once, inside the upgrade's transaction.
+-- and sorts them by id. Filled to 100%: most of its entries are on finished days, written as
+-- a day fills and then only read; the live partition's few churn, and vacuum reuses their
+-- space. Building it reads every retained message once, inside the upgrade's transaction.
 DROP INDEX messages_by_key;
 CREATE INDEX messages_by_key ON messages USING hash (ordering_key) WITH (fillfactor = 100);
