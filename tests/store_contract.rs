@@ -3544,6 +3544,14 @@ mod redis_only {
 
     /// Writes a dumped fixture's keys (tests/fixtures/redis_v*.json), TTLs included, and
     /// answers when it was dumped.
+    /// A dumped value: text, or `{"hex": ...}` when it is not UTF-8 (make_redis_fixture.rs).
+    fn fixture_bytes(value: &serde_json::Value) -> Vec<u8> {
+        match value.as_str() {
+            Some(text) => text.as_bytes().to_vec(),
+            None => hex::decode(value["hex"].as_str().expect("text or hex")).expect("hex"),
+        }
+    }
+
     async fn load_redis_fixture(url: &str, dumped: &str) -> Millis {
         let fixture: RedisFixture = serde_json::from_str(dumped).expect("fixture");
         let client = ::redis::Client::open(url).unwrap();
@@ -3558,7 +3566,7 @@ mod redis_only {
                     &v.as_object()
                         .unwrap()
                         .iter()
-                        .map(|(f, x)| (f.clone(), x.as_str().unwrap().to_string()))
+                        .map(|(f, x)| (f.clone(), fixture_bytes(x)))
                         .collect::<Vec<_>>(),
                 ),
                 "list" => pipe.rpush(
@@ -3907,8 +3915,84 @@ mod redis_only {
         );
     }
 
+    /// A message accepted after an upgrade keeps its record compressed against the record
+    /// dictionary and in pieces, in a listpack hash, and its first history row compressed
+    /// against the row dictionary in that hash, with no list; the rows after it go to the
+    /// list; all read back byte for byte.
+    async fn new_messages_are_kept_compact(h: &Harness, now: Millis) {
+        let s = h.s();
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let (id, body, json_len) = accept_compressible(s, "v6/after-upgrade", now).await;
+        let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
+        let pieces: Vec<usize> = (0..)
+            .map(|i| {
+                server
+                    .cli(&["HSTRLEN", &key, &format!("r{i}")])
+                    .parse()
+                    .unwrap()
+            })
+            .take_while(|&len: &usize| len > 0)
+            .collect();
+        let stored: usize = pieces.iter().sum();
+        assert!(
+            stored * 2 < json_len && pieces.iter().all(|&len| len <= 64),
+            "{pieces:?}: {stored} bytes stored for {json_len} bytes of JSON"
+        );
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", &key]), "listpack");
+        assert_eq!(
+            first_byte(server, &key, "r0").await,
+            0x01,
+            "the record's mark"
+        );
+        assert_eq!(get(s, &id).await.message.body.as_bytes(), body.as_bytes());
+        let leases = s.claim_due(now, 100, 30_000).await.unwrap();
+        let lease = leases
+            .iter()
+            .find(|l| l.message.id == id)
+            .expect("the new message is due");
+        assert_eq!(lease.message.body.as_bytes(), body.as_bytes());
+
+        // Its first history row is kept in its hash, so a message with one row has no list;
+        // the rows after it go to the list.
+        let attempts_key = format!("cb:{{p{:02}}}:a:{id}", id.partition());
+        let retry = Completion::Retry { next_at: now + 10 };
+        assert!(complete(s, lease, retry, now).await);
+        assert_eq!(server.cli(&["EXISTS", &attempts_key]), "0");
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", &key]), "listpack");
+        assert_eq!(
+            first_byte(server, &key, "h0").await,
+            0x02,
+            "the first row's mark"
+        );
+        assert_eq!(server.cli(&["HEXISTS", &key, "h1"]), "0", "one piece");
+        let second = claim_one(s, now + 10, &id).await;
+        assert!(complete(s, &second, Completion::Delivered, now + 10).await);
+        assert_eq!(server.cli(&["LLEN", &attempts_key]), "1");
+        let fresh = get(s, &id).await;
+        let attempts: Vec<u32> = fresh.history.iter().map(attempt_no).collect();
+        assert_eq!((attempts, fresh.history_total), (vec![1, 2], 2));
+        assert_eq!(fresh.history[0], HistoryEntry::from(delivery(1, now, 500)));
+    }
+
+    /// The first byte of field `field` of hash `key`.
+    async fn first_byte(server: &RedisServer, key: &str, field: &str) -> u8 {
+        let client = ::redis::Client::open(server.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let value: Vec<u8> = ::redis::cmd("HGET")
+            .arg(key)
+            .arg(field)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        *value
+            .first()
+            .unwrap_or_else(|| panic!("{key} {field} is empty"))
+    }
+
     /// Layout version 4, written by the store of commit 97e6d0c (tests/fixtures/
-    /// make_redis_v4.rs): nothing is rewritten, its JSON records are read as they are (the
+    /// make_redis_fixture.rs): nothing is rewritten, its JSON records are read as they are (the
     /// story is listed, claimed and delivered on), its integer claim still replays, and new
     /// messages keep their records compressed and in pieces, in a listpack hash, beside the old
     /// ones, and read them back byte for byte.
@@ -3934,48 +4018,7 @@ mod redis_only {
         );
         the_release_fixture_goes_on(s, "v4").await;
 
-        // A new message's record is kept compressed, and read back byte for byte.
-        let Backend::Redis(server) = &h.backend else {
-            unreachable!()
-        };
-        let (id, body, json_len) = accept_compressible(s, "v5/after-upgrade", now).await;
-        let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
-        let pieces: Vec<usize> = (0..)
-            .map(|i| {
-                server
-                    .cli(&["HSTRLEN", &key, &format!("r{i}")])
-                    .parse()
-                    .unwrap()
-            })
-            .take_while(|&len: &usize| len > 0)
-            .collect();
-        let stored: usize = pieces.iter().sum();
-        assert!(
-            stored * 2 < json_len && pieces.iter().all(|&len| len <= 64),
-            "{pieces:?}: {stored} bytes stored for {json_len} bytes of JSON"
-        );
-        assert_eq!(server.cli(&["OBJECT", "ENCODING", &key]), "listpack");
-        assert_eq!(get(s, &id).await.message.body.as_bytes(), body.as_bytes());
-        let leases = s.claim_due(now, 100, 30_000).await.unwrap();
-        let lease = leases
-            .iter()
-            .find(|l| l.message.id == id)
-            .expect("the new message is due");
-        assert_eq!(lease.message.body.as_bytes(), body.as_bytes());
-
-        // Its first history row is kept in its hash, so a message with one row has no list;
-        // the rows after it go to the list.
-        let attempts_key = format!("cb:{{p{:02}}}:a:{id}", id.partition());
-        let retry = Completion::Retry { next_at: now + 10 };
-        assert!(complete(s, lease, retry, now).await);
-        assert_eq!(server.cli(&["EXISTS", &attempts_key]), "0");
-        assert_eq!(server.cli(&["OBJECT", "ENCODING", &key]), "listpack");
-        let second = claim_one(s, now + 10, &id).await;
-        assert!(complete(s, &second, Completion::Delivered, now + 10).await);
-        assert_eq!(server.cli(&["LLEN", &attempts_key]), "1");
-        let fresh = get(s, &id).await;
-        let attempts: Vec<u32> = fresh.history.iter().map(attempt_no).collect();
-        assert_eq!((attempts, fresh.history_total), (vec![1, 2], 2));
+        new_messages_are_kept_compact(&h, now).await;
 
         // A message of layout 4 keeps its first row in its list, and appends after it.
         let expedited = list_all(
@@ -3993,6 +4036,57 @@ mod redis_only {
         let kinds: Vec<&str> = expedited.history.iter().map(HistoryEntry::kind).collect();
         assert_eq!(kinds, ["delivery", "resend", "delivery"]);
         assert_eq!(expedited.history_total, 3);
+    }
+
+    /// Layout version 5, written by the store of commit c9e9a2b (tests/fixtures/
+    /// make_redis_fixture.rs): nothing is rewritten; its records, compressed without a
+    /// dictionary, and its first history rows, JSON in the hash, are read as they are (the
+    /// story is listed, claimed and delivered on); its integer claim still replays; new
+    /// messages keep both forms against the dictionaries beside them.
+    #[tokio::test]
+    async fn a_fifth_release_redis_store_is_upgraded_in_place() {
+        let h = upgraded_fixture(include_str!("fixtures/redis_v5.json"), 5).await;
+        let s = h.s();
+        let now = T0 + 10_000;
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let dead = list_all(
+            s,
+            ListFilter {
+                limit: 100,
+                ..Default::default()
+            },
+        )
+        .await
+        .into_iter()
+        .find(|r| r.message.ordering_key == "v5/dead")
+        .expect("the dead message");
+        let id = &dead.message.id;
+        let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
+        assert_eq!(
+            first_byte(server, &key, "r0").await,
+            0x28,
+            "zstd's magic, no mark"
+        );
+        assert_eq!(first_byte(server, &key, "h0").await, b'{', "a JSON row");
+
+        let recorded = &the_recorded_callback(s).await;
+        let retry = callback_request(
+            "claim/src/payzu/tx-v5",
+            "tx-v5",
+            RETENTION_SECS,
+            s.partitions(),
+            now,
+        );
+        assert_eq!(
+            s.accept(retry, now).await.unwrap(),
+            AcceptOutcome::Replayed {
+                response: format!(r#"{{"messageId":"{}"}}"#, recorded.message.id)
+            }
+        );
+        the_release_fixture_goes_on(s, "v5").await;
+        new_messages_are_kept_compact(&h, now).await;
     }
 
     #[tokio::test]

@@ -1,26 +1,30 @@
-//! A message's record: the [`NewMessage`] as JSON, compressed with zstd when that makes it
-//! smaller. Redis keeps it in its hash (layout 5, `redis/record.rs`), PostgreSQL in the
-//! `record` column of `messages` (layout 4; from layout 5 compressed with [`DICTIONARY_1`]);
-//! SQLite keeps the JSON.
+//! A message's record and its first history row, each kept compact: JSON compressed with
+//! zstd against a fixed dictionary when that makes it smaller.
+//!
+//! The record is the [`NewMessage`] as JSON. Redis keeps it in its hash (`redis/record.rs`),
+//! PostgreSQL in the `record` column of `messages`; SQLite keeps the JSON. Redis also keeps a
+//! message's first history row in its hash in the [row form](encode_row) (layout 6).
 //!
 //! Why: the record is most of what a message keeps for its whole retention (a ~330-byte body
 //! escaped inside ~670 bytes of JSON). JSON repeats its field names and escapes the body's
 //! quotes, so zstd takes a third or more off (BENCHMARKS.md, "Redis layout 5" and "PostgreSQL
 //! layout 4"). A record is too short for zstd to learn much from it alone; a dictionary of what
 //! every record holds (the field names, the kinds, the shape of a notification's body) takes
-//! off another 70 to 100 bytes (BENCHMARKS.md, "PostgreSQL layout 5"). Nothing in the engines'
-//! scripts or SQL reads inside the record, so its form is this file's alone.
+//! off another 70 to 100 bytes (BENCHMARKS.md, "PostgreSQL layout 5"). A history row is
+//! shorter still, and nearly all field names and status codes: alone, zstd cannot shorten it
+//! at all; against [`ROW_DICTIONARY_1`] it shrinks by half or more. Nothing in the engines'
+//! scripts or SQL reads inside a record or a first row, so their forms are this file's alone.
 //!
 //! The forms tell themselves apart by their first bytes: a zstd frame starts with its magic
 //! number, JSON with `{`, a frame made with a dictionary with that dictionary's mark. So
-//! records written by older layouts stay readable as they are, and an upgrade rewrites none of
-//! them.
+//! records and rows written by older layouts stay readable as they are, and an upgrade
+//! rewrites none of them.
 
 use std::cell::RefCell;
 
 use zstd::bulk::{Compressor, Decompressor};
 
-use crate::store::{NewMessage, StoreError};
+use crate::store::{HistoryEntry, NewMessage, StoreError};
 
 /// A zstd frame's first four bytes (RFC 8878, section 3.1.1).
 const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
@@ -52,6 +56,32 @@ pub(crate) const DICTIONARY_1: &[u8] = concat!(
 /// first byte.
 const DICTIONARY_1_MARK: u8 = 0x01;
 
+/// The first dictionary of history rows: the shapes of [`HistoryEntry`]'s JSON, most common
+/// last (a delivery answered with a status and no body, then with a JSON body). Raw content,
+/// as [`DICTIONARY_1`]. **Never change these bytes**, for the same reason.
+pub(crate) const ROW_DICTIONARY_1: &[u8] = concat!(
+    r#"{"kind":"resend","at":1,"requestId":"op-"}"#,
+    r#"{"kind":"delivery","attempt":2,"at":1,"error":"refused_address"}"#,
+    r#"{"kind":"delivery","attempt":3,"at":1,"error":"bad_url"}"#,
+    r#"{"kind":"delivery","attempt":4,"at":1,"error":"request","latencyMs":"#,
+    r#"{"kind":"delivery","attempt":5,"at":1,"error":"connect","latencyMs":"#,
+    r#"{"kind":"delivery","attempt":6,"at":1,"error":"timeout","latencyMs":10000}"#,
+    r#","status":400,"status":401,"status":403,"status":404,"status":410,"status":422"#,
+    r#","response":{"contentType":"text/html; charset=utf-8","body":"<html>","bodyDropped":true}}"#,
+    r#","status":500,"status":502,"status":503,"status":504,"status":429"#,
+    r#","response":{"contentType":"text/plain; charset=utf-8","retryAfter":"","body":"","bodyTruncated":true}}"#,
+    r#"{"kind":"delivery","attempt":1,"at":1,"status":201,"latencyMs":1,"status":202"#,
+    r#"{"kind":"delivery","attempt":1,"at":1,"status":204,"latencyMs":1,"response":{"body":""}}"#,
+    r#"{"kind":"delivery","attempt":1,"at":1,"status":204,"latencyMs":1}"#,
+    r#"{"kind":"delivery","attempt":1,"at":1,"status":200,"latencyMs":1,"#,
+    r#""response":{"contentType":"application/json","body":"{"ok":true}"}}"#,
+)
+.as_bytes();
+
+/// The byte before a row compressed with [`ROW_DICTIONARY_1`], whose frame follows without
+/// its magic number: neither JSON's `{` nor a frame's first byte, nor a record's mark.
+const ROW_DICTIONARY_1_MARK: u8 = 0x02;
+
 /// The largest record kept compressed, and so the most a compressed field may unpack to: far
 /// above any record of the default `server.max_body_bytes` (1 MiB, escaped at most 6× in the
 /// JSON). A larger record is kept as JSON, so a corrupt field can never make a read allocate
@@ -61,30 +91,66 @@ const MAX_COMPRESSED_RECORD: usize = 64 << 20;
 thread_local! {
     /// One compression context per thread and dictionary, kept: making one costs more than
     /// compressing a record.
+    #[cfg(test)]
     static COMPRESSOR: RefCell<Option<Compressor<'static>>> = const { RefCell::new(None) };
     static DECOMPRESSOR: RefCell<Option<Decompressor<'static>>> = const { RefCell::new(None) };
     static DICTIONARY_1_COMPRESSOR: RefCell<Option<Compressor<'static>>> =
         const { RefCell::new(None) };
     static DICTIONARY_1_DECOMPRESSOR: RefCell<Option<Decompressor<'static>>> =
         const { RefCell::new(None) };
-}
-
-/// The record of `message`: compressed when that is smaller, else the JSON itself. The form
-/// Redis layout 5 writes.
-pub(crate) fn encode(message: &NewMessage) -> Result<Vec<u8>, StoreError> {
-    let json = serde_json::to_vec(message).map_err(corrupt)?;
-    let compressed = compress(&COMPRESSOR, &json, || Compressor::new(LEVEL));
-    Ok(smaller(json, compressed, &[]))
+    static ROW_DICTIONARY_1_COMPRESSOR: RefCell<Option<Compressor<'static>>> =
+        const { RefCell::new(None) };
+    static ROW_DICTIONARY_1_DECOMPRESSOR: RefCell<Option<Decompressor<'static>>> =
+        const { RefCell::new(None) };
 }
 
 /// The record of `message` compressed with [`DICTIONARY_1`] when that is smaller, else the
-/// JSON itself. The form PostgreSQL layout 5 writes: older layouts' readers do not know it.
-pub(crate) fn encode_with_dictionary(message: &NewMessage) -> Result<Vec<u8>, StoreError> {
+/// JSON itself. The form PostgreSQL from layout 5 and Redis from layout 6 write: older
+/// layouts' readers do not know it.
+pub(crate) fn encode(message: &NewMessage) -> Result<Vec<u8>, StoreError> {
     let json = serde_json::to_vec(message).map_err(corrupt)?;
     let compressed = compress(&DICTIONARY_1_COMPRESSOR, &json, || {
         Compressor::with_dictionary(LEVEL, DICTIONARY_1)
     });
     Ok(smaller(json, compressed, &[DICTIONARY_1_MARK]))
+}
+
+/// The record of `message` compressed without a dictionary when that is smaller: the form
+/// Redis layout 5 and PostgreSQL layout 4 wrote, which [`decode`] reads for as long as such
+/// records are kept.
+#[cfg(test)]
+pub(crate) fn encode_without_dictionary(message: &NewMessage) -> Result<Vec<u8>, StoreError> {
+    let json = serde_json::to_vec(message).map_err(corrupt)?;
+    let compressed = compress(&COMPRESSOR, &json, || Compressor::new(LEVEL));
+    Ok(smaller(json, compressed, &[]))
+}
+
+/// The first history row `entry` in its kept form: compressed with [`ROW_DICTIONARY_1`] when
+/// that is smaller, else its JSON (the form of every row in a history list). The form Redis
+/// layout 6 keeps a message's first row in; older layouts' readers do not know it.
+pub(crate) fn encode_row(entry: &HistoryEntry) -> Result<Vec<u8>, StoreError> {
+    let json = serde_json::to_vec(entry).map_err(corrupt)?;
+    // The mark says what follows is a frame, so its magic number is left out: 4 bytes of a
+    // row's 30 to 40.
+    let compressed = compress(&ROW_DICTIONARY_1_COMPRESSOR, &json, || {
+        Compressor::with_dictionary(LEVEL, ROW_DICTIONARY_1)
+    })
+    .and_then(|frame| Some(frame.strip_prefix(&ZSTD_MAGIC)?.to_vec()));
+    Ok(smaller(json, compressed, &[ROW_DICTIONARY_1_MARK]))
+}
+
+/// The history row `row` holds: JSON, or the form of [`encode_row`].
+pub(crate) fn decode_row(row: &[u8]) -> Result<HistoryEntry, StoreError> {
+    match row.split_first() {
+        Some((&ROW_DICTIONARY_1_MARK, rest)) => {
+            let frame = [&ZSTD_MAGIC[..], rest].concat();
+            let json = decompress(&ROW_DICTIONARY_1_DECOMPRESSOR, &frame, || {
+                Decompressor::with_dictionary(ROW_DICTIONARY_1)
+            })?;
+            serde_json::from_slice(&json).map_err(corrupt)
+        }
+        _ => serde_json::from_slice(row).map_err(corrupt),
+    }
 }
 
 type Contexts<T> = std::thread::LocalKey<RefCell<Option<T>>>;
@@ -196,7 +262,7 @@ pub(crate) mod tests {
     fn a_record_is_kept_compressed_and_read_back_byte_for_byte() {
         let body = r#"{"id":"tx-1","status":"PAID","amount":12345,"currency":"BRL","payer":{"name":"Fulano de Tal","document":"12345678900"},"pix":{"endToEndId":"E1234567820261205120000000000001"}}"#;
         let original = message(body);
-        let rec = encode(&original).unwrap();
+        let rec = encode_without_dictionary(&original).unwrap();
         let json = serde_json::to_vec(&original).unwrap();
         assert!(rec.starts_with(&ZSTD_MAGIC));
         assert!(rec.len() < json.len(), "{} vs {}", rec.len(), json.len());
@@ -244,8 +310,8 @@ pub(crate) mod tests {
             r#"{"id":"tx-1","status":"PAID","amount":12345,"currency":"BRL","createdAt":"2026-12-05T12:00:00Z"}"#,
         );
         for original in [payzu, notification()] {
-            let with = encode_with_dictionary(&original).unwrap();
-            let without = encode(&original).unwrap();
+            let with = encode(&original).unwrap();
+            let without = encode_without_dictionary(&original).unwrap();
             assert_eq!(with[0], DICTIONARY_1_MARK);
             assert!(
                 with.len() + 40 < without.len(),
@@ -283,7 +349,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_corrupt_record_of_the_dictionary_is_an_error() {
-        let rec = encode_with_dictionary(&notification()).unwrap();
+        let rec = encode(&notification()).unwrap();
         assert!(decode(&rec[..rec.len() / 2]).is_err(), "cut short");
         assert!(decode(&[DICTIONARY_1_MARK, b'{']).is_err(), "not a frame");
         assert!(
@@ -294,12 +360,81 @@ pub(crate) mod tests {
 
     #[test]
     fn a_corrupt_compressed_record_is_an_error_not_a_panic_or_a_huge_allocation() {
-        let rec = encode(&message(&"x".repeat(2_000))).unwrap();
+        let rec = encode_without_dictionary(&message(&"x".repeat(2_000))).unwrap();
         assert!(rec.starts_with(&ZSTD_MAGIC));
         assert!(decode(&rec[..rec.len() / 2]).is_err(), "cut short");
         // A frame header claiming 2^40 bytes of content.
         let mut huge = ZSTD_MAGIC.to_vec();
         huge.extend_from_slice(&[0xC0, 0, 0, 0, 0, 0, 1, 0, 0]);
         assert!(decode(&huge).is_err());
+    }
+
+    /// First rows of each shape a delivery or a resend leaves.
+    fn rows() -> Vec<HistoryEntry> {
+        use crate::store::{DeliveryAttempt, ReceiverAnswer, ResendMark};
+        let delivery =
+            |status: Option<u16>, error: Option<&str>, answer: Option<ReceiverAnswer>| {
+                HistoryEntry::from(DeliveryAttempt {
+                    attempt: 1,
+                    at: 1_764_460_812_345,
+                    status,
+                    error: error.map(str::to_string),
+                    latency_ms: Some(37),
+                    response: answer,
+                })
+            };
+        let json = ReceiverAnswer::new(Some("application/json"), None, br#"{"ok":true}"#, false);
+        let refusal = ReceiverAnswer::new(
+            Some("text/plain; charset=utf-8"),
+            Some("120"),
+            b"maintenance window, try later",
+            false,
+        );
+        vec![
+            delivery(Some(204), None, None),
+            delivery(Some(204), None, Some(ReceiverAnswer::default())),
+            delivery(Some(200), None, Some(json)),
+            delivery(Some(503), None, Some(refusal)),
+            delivery(None, Some("timeout"), None),
+            HistoryEntry::from(ResendMark {
+                at: 1_764_460_900_000,
+                request_id: Some("op-7f3a".into()),
+            }),
+        ]
+    }
+
+    #[test]
+    fn a_first_row_is_kept_at_most_two_thirds_of_its_json_and_read_back_as_it_was() {
+        for row in rows() {
+            let json = serde_json::to_vec(&row).unwrap();
+            let kept = encode_row(&row).unwrap();
+            assert_eq!(
+                kept[0],
+                ROW_DICTIONARY_1_MARK,
+                "{}",
+                String::from_utf8_lossy(&json)
+            );
+            assert!(
+                kept.len() * 3 <= json.len() * 2,
+                "{} bytes kept for {} of JSON: {}",
+                kept.len(),
+                json.len(),
+                String::from_utf8_lossy(&json)
+            );
+            assert_eq!(decode_row(&kept).unwrap(), row);
+            // A row of layout 5, and every row of a history list, is JSON.
+            assert_eq!(decode_row(&json).unwrap(), row);
+        }
+    }
+
+    #[test]
+    fn a_corrupt_first_row_is_an_error() {
+        let kept = encode_row(&rows()[2]).unwrap();
+        assert!(decode_row(&kept[..kept.len() / 2]).is_err(), "cut short");
+        assert!(
+            decode_row(&[ROW_DICTIONARY_1_MARK]).is_err(),
+            "nothing after the mark"
+        );
+        assert!(decode_row(b"").is_err(), "empty");
     }
 }

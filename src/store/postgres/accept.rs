@@ -247,7 +247,7 @@ async fn accept_locked(
             "the partition of day {day} of finished messages is missing; it is created on retry"
         )));
     }
-    let record = record::encode_with_dictionary(msg)?;
+    let record = record::encode(msg)?;
     let insert_message = tx
         .prepare_cached(
             "INSERT INTO messages \

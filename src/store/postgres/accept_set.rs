@@ -296,7 +296,7 @@ fn record(
             "the partition of day {day} of finished messages is missing; it is created on retry"
         )));
     }
-    let record = record::encode_with_dictionary(msg)?;
+    let record = record::encode(msg)?;
     if let (Some(p), Some((status, ends_at))) = (&req.payment, plan.payment) {
         overlay
             .payments

@@ -83,6 +83,13 @@ fn call(
     }
     let mut call = script_call(&store.scripts.apply, &names);
     let history = effect.history.as_ref().map(to_json).transpose()?;
+    // The script keeps this form only when the row is the message's first (history.lua);
+    // it cannot tell before it runs, so both go.
+    let first_form = effect
+        .history
+        .as_ref()
+        .map(record::encode_row)
+        .transpose()?;
     let (queue, queue_due) = match effect.queue {
         QueueMove::Stay => ("", String::new()),
         QueueMove::Join { due_if_head } => ("join", due_if_head.to_string()),
@@ -91,6 +98,7 @@ fn call(
     call.arg(id.as_str())
         .arg(now)
         .arg(history.unwrap_or_default())
+        .arg(first_form.unwrap_or_default())
         .arg(HISTORY_TAIL)
         .arg(ANSWER_BODY_ROWS)
         .arg(optional_time(effect.changes.due_at))

@@ -50,7 +50,7 @@
 //!
 //! | field | holds |
 //! |---|---|
-//! | `r0`, `r1`, … | the record, fixed at acceptance: the [`NewMessage`](crate::store::NewMessage) as JSON, zstd-compressed when that is smaller, in pieces of at most 64 bytes so the hash stays a listpack (record.rs); `rec`, the JSON whole, in layout 4 and before |
+//! | `r0`, `r1`, … | the record, fixed at acceptance: the [`NewMessage`](crate::store::NewMessage) as JSON, zstd-compressed against a dictionary when that is smaller (without one in layout 5), in pieces of at most 64 bytes so the hash stays a listpack (record.rs); `rec`, the JSON whole, in layout 4 and before |
 //! | `state` | [`MessageState`] |
 //! | `kh` | [`key_hash`] of the ordering key, so the sweeper finds `ix:k:<kh>` |
 //! | `end` | when a finished or recorded message ends (absent while there is work left) |
@@ -61,7 +61,7 @@
 //! | `resume` | the scheduled attempt a resend brought forward, to resume from (0: none) |
 //! | `again` | 1 when a resend arrived while an attempt was in flight (0) |
 //! | `hn` | history rows ever recorded, kept or dropped (0) |
-//! | `h0`, `h1`, … | the first history row (JSON), in pieces as the record (history.lua; absent before the first row, and in layout 4 and before, whose first row is in `a:<id>`) |
+//! | `h0`, `h1`, … | the first history row, compressed against a dictionary of rows when that is smaller (JSON in layout 5), in pieces as the record (history.lua; absent before the first row, and in layout 4 and before, whose first row is in `a:<id>`) |
 //!
 //! Each partition also has a channel, `<prefix>:{pNN}:wake`, named like its keys so that on a
 //! cluster it is a shard channel of the partition's slot (`wake.rs`); nothing is stored there.
@@ -88,8 +88,9 @@ use crate::store::{MessageId, MessageState};
 /// the strings, hourly expiry buckets, no index of all messages, compact dedupe claims;
 /// 4: a callback's dedupe claim may be one integer (its id is derived from the claim key);
 /// 5: a message's record may be compressed and, with its first history row, is kept in
-/// pieces in its hash (record.rs).
-pub const SCHEMA_VERSION: u32 = 5;
+/// pieces in its hash (record.rs); 6: both compressed against dictionaries when that is
+/// smaller (store/record.rs).
+pub const SCHEMA_VERSION: u32 = 6;
 
 /// Width of an expiry bucket: a member is deleted by the first sweep at or after its end, and
 /// at the latest one bucket later when it was pushed behind a later end.

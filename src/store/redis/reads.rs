@@ -211,7 +211,7 @@ fn message_record(
     let first = listed.and(record::joined(fields, "h"));
     let history = first
         .iter()
-        .map(|row| serde_json::from_slice::<HistoryEntry>(row).map_err(corrupt))
+        .map(|row| record::decode_row(row))
         .chain(
             listed
                 .unwrap_or_default()

@@ -1,5 +1,7 @@
-//! A message's record in its Redis hash: in pieces `r0`, `r1`, … (layout 5), whole in `rec`
-//! (layout 4 and before), in either of the forms of [`crate::store::record`].
+//! A message's record in its Redis hash: in pieces `r0`, `r1`, … (layout 5 and after), whole
+//! in `rec` (layout 4 and before), in any of the forms of [`crate::store::record`]; and its
+//! first history row, in pieces `h0`, `h1`, … in the row form of the same file (layout 6) or
+//! as JSON (layout 5).
 //!
 //! Why pieces: a hash with a value longer than `hash-max-listpack-value` (64 bytes by default)
 //! is a hashtable, a dict with an entry and two strings per field, where a listpack is one
@@ -8,7 +10,7 @@
 
 use std::collections::HashMap;
 
-pub(super) use crate::store::record::{decode, encode};
+pub(super) use crate::store::record::{decode, decode_row, encode, encode_row};
 use crate::store::{NewMessage, StoreError};
 
 /// The message of a hash's fields (`HGETALL`): its pieces put together, or its whole `rec`;

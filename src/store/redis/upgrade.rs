@@ -23,6 +23,11 @@
 //! rewrites nothing either: the whole JSON `rec` of version 4 and before stays readable as it
 //! is, and a version-4 binary refuses the store once records in pieces may be in it.
 //!
+//! Version 6 compresses new records and first history rows against fixed dictionaries
+//! (store/record.rs). It rewrites nothing: the records and JSON first rows of version 5 stay
+//! readable as they are, and a version-5 binary refuses the store once either new form may be
+//! in it.
+//!
 //! Every step is idempotent (members are added with `NX`, a payment is extended only while
 //! it has no member yet, a v2 expiry member leaves with its upgrade), so an upgrade cut short
 //! by a crash is simply run again. The version key is written last. Old processes must be

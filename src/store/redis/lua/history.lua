@@ -1,16 +1,16 @@
 -- Shared by the scripts that append to a message's history (prepended to each, after
 -- pieces.lua). Keeps the first row and the latest `tail` rows, and counts every row in the
 -- `hn` field. The first row goes into the message hash in pieces `h0`, `h1`, ... (pieces.lua),
--- so a message with one row, as most are, has no list; the rows after it go to the list
--- `attempts_key`. A message whose first row is in the list (written by layout 4 or before)
--- keeps it there.
+-- in the compact form Rust made of it (`first_form`, store/record.rs), so a message with one
+-- row, as most are, has no list; the rows after it go to the list `attempts_key` as JSON. A
+-- message whose first row is in the list (written by layout 4 or before) keeps it there.
 -- The row that leaves the latest `bodies` rows (unless it is the first) drops its answer's
 -- body (store::lifecycle's append_history). Rows are JSON written by callbackd; the one that
 -- changes is decoded and encoded again, which keeps its fields and values.
-local function append_history(message_key, attempts_key, row, tail, bodies)
+local function append_history(message_key, attempts_key, row, first_form, tail, bodies)
   if redis.call('HINCRBY', message_key, 'hn', 1) == 1 then
     local fields = {}
-    add_pieces(fields, 'h', row)
+    add_pieces(fields, 'h', first_form)
     redis.call('HSET', message_key, unpack(fields))
     return
   end
