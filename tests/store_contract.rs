@@ -652,7 +652,6 @@ fn request(claim_key: &str, message: NewMessage) -> AcceptRequest {
     }
 }
 
-/// A notification moving `payment_id` to `to`, ordered by payment like the HTTP layer does.
 /// An inbound callback's request as the HTTP layer makes it (src/inbound/accept.rs): its id
 /// derived from the claim key, no fingerprint, the answer naming the id. On Redis its claim
 /// is one integer.
@@ -3915,6 +3914,38 @@ mod redis_only {
         );
     }
 
+    /// The recorded callback of release `v`'s story: its integer claim rebuilds the id it
+    /// was accepted under.
+    async fn the_integer_claim_replays(s: &dyn Store, v: &str, now: Millis) {
+        let recorded = &the_recorded_callback(s).await;
+        let retry = callback_request(
+            &format!("claim/src/payzu/tx-{v}"),
+            &format!("tx-{v}"),
+            RETENTION_SECS,
+            s.partitions(),
+            now,
+        );
+        assert_eq!(
+            s.accept(retry, now).await.unwrap(),
+            AcceptOutcome::Replayed {
+                response: format!(r#"{{"messageId":"{}"}}"#, recorded.message.id)
+            }
+        );
+    }
+
+    /// The one message of a story's ordering key, as listed.
+    async fn message_of_key(s: &dyn Store, ordering_key: &str) -> MessageRecord {
+        let all = ListFilter {
+            limit: 100,
+            ..Default::default()
+        };
+        list_all(s, all)
+            .await
+            .into_iter()
+            .find(|r| r.message.ordering_key == ordering_key)
+            .unwrap_or_else(|| panic!("no message of {ordering_key}"))
+    }
+
     /// A message accepted after an upgrade keeps its record compressed against the record
     /// dictionary and in pieces, in a listpack hash, and its first history row compressed
     /// against the row dictionary in that hash, with no list; the rows after it go to the
@@ -4001,37 +4032,13 @@ mod redis_only {
         let h = upgraded_fixture(include_str!("fixtures/redis_v4.json"), 4).await;
         let s = h.s();
         let now = T0 + 10_000;
-        // The recorded callback's integer claim rebuilds the id it was accepted under.
-        let recorded = &the_recorded_callback(s).await;
-        let retry = callback_request(
-            "claim/src/payzu/tx-v4",
-            "tx-v4",
-            RETENTION_SECS,
-            s.partitions(),
-            now,
-        );
-        assert_eq!(
-            s.accept(retry, now).await.unwrap(),
-            AcceptOutcome::Replayed {
-                response: format!(r#"{{"messageId":"{}"}}"#, recorded.message.id)
-            }
-        );
+        the_integer_claim_replays(s, "v4", now).await;
         the_release_fixture_goes_on(s, "v4").await;
 
         new_messages_are_kept_compact(&h, now).await;
 
         // A message of layout 4 keeps its first row in its list, and appends after it.
-        let expedited = list_all(
-            s,
-            ListFilter {
-                limit: 100,
-                ..Default::default()
-            },
-        )
-        .await
-        .into_iter()
-        .find(|r| r.message.ordering_key == "v4/expedited")
-        .expect("the expedited message");
+        let expedited = message_of_key(s, "v4/expedited").await;
         let expedited = get(s, &expedited.message.id).await;
         let kinds: Vec<&str> = expedited.history.iter().map(HistoryEntry::kind).collect();
         assert_eq!(kinds, ["delivery", "resend", "delivery"]);
@@ -4051,17 +4058,7 @@ mod redis_only {
         let Backend::Redis(server) = &h.backend else {
             unreachable!()
         };
-        let dead = list_all(
-            s,
-            ListFilter {
-                limit: 100,
-                ..Default::default()
-            },
-        )
-        .await
-        .into_iter()
-        .find(|r| r.message.ordering_key == "v5/dead")
-        .expect("the dead message");
+        let dead = message_of_key(s, "v5/dead").await;
         let id = &dead.message.id;
         let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
         assert_eq!(
@@ -4071,20 +4068,7 @@ mod redis_only {
         );
         assert_eq!(first_byte(server, &key, "h0").await, b'{', "a JSON row");
 
-        let recorded = &the_recorded_callback(s).await;
-        let retry = callback_request(
-            "claim/src/payzu/tx-v5",
-            "tx-v5",
-            RETENTION_SECS,
-            s.partitions(),
-            now,
-        );
-        assert_eq!(
-            s.accept(retry, now).await.unwrap(),
-            AcceptOutcome::Replayed {
-                response: format!(r#"{{"messageId":"{}"}}"#, recorded.message.id)
-            }
-        );
+        the_integer_claim_replays(s, "v5", now).await;
         the_release_fixture_goes_on(s, "v5").await;
         new_messages_are_kept_compact(&h, now).await;
     }
