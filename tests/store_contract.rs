@@ -3955,6 +3955,7 @@ mod redis_only {
         let Backend::Redis(server) = &h.backend else {
             unreachable!()
         };
+        let older_keys = server.cli(&["KEYS", "cb:*:ix:k:*"]).lines().count();
         let (id, body, json_len) = accept_compressible(s, "v6/after-upgrade", now).await;
         let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
         let pieces: Vec<usize> = (0..)
@@ -3976,6 +3977,13 @@ mod redis_only {
             first_byte(server, &key, "r0").await,
             0x01,
             "the record's mark"
+        );
+        // It is listed by its ordering key from the shared key index, which has no key of
+        // its own per ordering key.
+        assert_eq!(listed_by_key(s, "v6/after-upgrade").await, [id.clone()]);
+        assert_eq!(
+            server.cli(&["KEYS", "cb:*:ix:k:*"]).lines().count(),
+            older_keys
         );
         assert_eq!(get(s, &id).await.message.body.as_bytes(), body.as_bytes());
         let leases = s.claim_due(now, 100, 30_000).await.unwrap();
@@ -4005,6 +4013,20 @@ mod redis_only {
         let attempts: Vec<u32> = fresh.history.iter().map(attempt_no).collect();
         assert_eq!((attempts, fresh.history_total), (vec![1, 2], 2));
         assert_eq!(fresh.history[0], HistoryEntry::from(delivery(1, now, 500)));
+    }
+
+    /// The ids listed by `ordering_key`, a page at a time.
+    async fn listed_by_key(s: &dyn Store, ordering_key: &str) -> Vec<MessageId> {
+        let of_key = ListFilter {
+            limit: 1,
+            ordering_keys: Some(vec![ordering_key.to_string()]),
+            ..Default::default()
+        };
+        list_all(s, of_key)
+            .await
+            .into_iter()
+            .map(|r| r.message.id)
+            .collect()
     }
 
     /// The first byte of field `field` of hash `key`.
@@ -4060,6 +4082,9 @@ mod redis_only {
         };
         let dead = message_of_key(s, "v5/dead").await;
         let id = &dead.message.id;
+        // Listed by its ordering key from the sorted set layout 5 kept for it.
+        assert!(!server.cli(&["KEYS", "cb:*:ix:k:*"]).is_empty());
+        assert_eq!(listed_by_key(s, "v5/dead").await, [id.clone()]);
         let key = format!("cb:{{p{:02}}}:m:{id}", id.partition());
         assert_eq!(
             first_byte(server, &key, "r0").await,
@@ -4071,6 +4096,55 @@ mod redis_only {
         the_integer_claim_replays(s, "v5", now).await;
         the_release_fixture_goes_on(s, "v5").await;
         new_messages_are_kept_compact(&h, now).await;
+    }
+
+    /// A bucket of the key index with more fields than one `HSCAN` step reads (a hashtable
+    /// to Redis, scanned in several steps) still lists each of its keys whole, and only it.
+    #[tokio::test]
+    async fn a_key_index_bucket_read_in_several_scan_steps_lists_its_keys_whole() {
+        let server = RedisServer::start();
+        let store = RedisStore::connect(&server.url(), Duration::from_secs(2), RETENTION_SECS)
+            .await
+            .unwrap();
+        store.upgrade(T0).await.unwrap();
+        let s: &dyn Store = &store;
+        // Another ordering key in the same bucket: its hash starts with the same character,
+        // and it lies in the same partition.
+        let bucket_of = |key: &str| {
+            let hash = callbackd::digest::short_hash(key.as_bytes());
+            (partition_of(key, s.partitions()), hash.chars().next())
+        };
+        let busy = "src/payzu/tx-busy";
+        let neighbour = (0..)
+            .map(|i| format!("src/payzu/tx-{i}"))
+            .find(|key| bucket_of(key) == bucket_of(busy))
+            .expect("a key in the same bucket");
+        let mut wanted = Vec::new();
+        for i in 0..2_500 {
+            wanted.push(accept_new(s, busy, T0 + i).await);
+        }
+        let theirs = vec![
+            accept_new(s, &neighbour, T0).await,
+            accept_new(s, &neighbour, T0 + 5_000).await,
+        ];
+        let bucket = server.cli(&["KEYS", "cb:*:kx:*"]);
+        assert_eq!(bucket.lines().count(), 1, "{bucket}");
+        assert_eq!(server.cli(&["HLEN", &bucket]), "2502");
+        assert_eq!(server.cli(&["OBJECT", "ENCODING", &bucket]), "hashtable");
+        wanted.sort();
+        for limit in [100, 3_000] {
+            let listed = list_all(
+                s,
+                ListFilter {
+                    limit,
+                    ordering_keys: Some(vec![busy.to_string()]),
+                    ..Default::default()
+                },
+            )
+            .await;
+            assert_eq!(ids(&listed), wanted, "limit {limit}");
+        }
+        assert_eq!(listed_by_key(s, &neighbour).await, theirs);
     }
 
     #[tokio::test]

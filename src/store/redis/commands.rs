@@ -77,7 +77,7 @@ pub(super) async fn accept(
             keys.queue(&msg.ordering_key),
             keys.due(),
             keys.index(first),
-            keys.index_of_key(&msg.ordering_key),
+            keys.key_index(&msg.ordering_key).bucket,
             payment_key,
             keys.buckets(),
             seal_key,

@@ -16,7 +16,8 @@
 //! | `q:<kh>` | list | ids of one ordering key not yet finished; only the head is due |
 //! | `due` | zset | due heads scored by next attempt time |
 //! | `lease` | zset | in-flight ids scored by lease expiry |
-//! | `ix:<state>`, `ix:k:<kh>` | zset (lex) | ids for listing: by state, by key (all states: the state indexes merged) |
+//! | `ix:<state>` | zset (lex) | ids for listing by state (all states: the state indexes merged) |
+//! | `kx:<c>` | hash | the key index, for listing by ordering key: a field `<kh without c>:<id>` (value empty) per message whose [`key_hash`] starts with the character `<c>`, 64 buckets a partition (layout 6; `ix:k:<kh>`, a zset of ids per ordering key, in layout 5 and before, read and swept until its messages end) |
 //! | `pay:<hash>` | string | end ms `\|` payment status for the compare-and-set, `payment_retention_secs` |
 //! | `x:<b>` | list | expiry bucket `b` of strings: `d:`, `s:`, `pay:` members whose end falls in hour `b` |
 //! | `xm:<b>` | list | expiry bucket `b` of messages: `m:<id>` members of finished or recorded messages |
@@ -52,7 +53,7 @@
 //! |---|---|
 //! | `r0`, `r1`, … | the record, fixed at acceptance: the [`NewMessage`](crate::store::NewMessage) as JSON, zstd-compressed against a dictionary when that is smaller (without one in layout 5), in pieces of at most 64 bytes so the hash stays a listpack (record.rs); `rec`, the JSON whole, in layout 4 and before |
 //! | `state` | [`MessageState`] |
-//! | `kh` | [`key_hash`] of the ordering key, so the sweeper finds `ix:k:<kh>` |
+//! | `kh` | [`key_hash`] of the ordering key, so the sweeper finds the message's key index entry |
 //! | `end` | when a finished or recorded message ends (absent while there is work left) |
 //! | `tries` | delivery attempts recorded (0) |
 //! | `rb` | `tries` when a resend last requeued it: the backoff counts from there (0) |
@@ -72,8 +73,8 @@
 //! of the provider-side recoveries by id, recoveries.rs), all under the configured prefix
 //! too.
 //!
-//! The scripts build some names themselves from the partition prefix (`m:`, `a:`, `ix:` and
-//! `ix:k:` in claim.lua and sweep.lua, the expiry buckets in expiry.lua), and `upgrade.rs`
+//! The scripts build some names themselves from the partition prefix (`m:`, `a:`, `ix:`,
+//! `ix:k:` and `kx:` in claim.lua and sweep.lua, the expiry buckets in expiry.lua), and `upgrade.rs`
 //! names the keys of versions 1 and 2 on its own, since those layouts are fixed whatever this
 //! one becomes. A change to this layout changes them too, and bumps
 //! [`SCHEMA_VERSION`] with an upgrade from the old one.
@@ -89,7 +90,8 @@ use crate::store::{MessageId, MessageState};
 /// 4: a callback's dedupe claim may be one integer (its id is derived from the claim key);
 /// 5: a message's record may be compressed and, with its first history row, is kept in
 /// pieces in its hash (record.rs); 6: both compressed against dictionaries when that is
-/// smaller (store/record.rs).
+/// smaller (store/record.rs), and messages listed by ordering key through the shared key
+/// index `kx:` instead of a sorted set per key.
 pub const SCHEMA_VERSION: u32 = 6;
 
 /// Width of an expiry bucket: a member is deleted by the first sweep at or after its end, and
@@ -169,6 +171,18 @@ impl KeySpace {
     }
 }
 
+/// Characters of an ordering key's hash that name its bucket of the key index: 64 buckets a
+/// partition, so that a bucket holds many keys' fields in one listpack rather than each key a
+/// sorted set of its own (sweep.lua splits the hash the same way).
+const KEY_INDEX_BUCKET_CHARS: usize = 1;
+
+/// One ordering key's place in the key index: the hash `bucket`, whose fields
+/// `<field_prefix><id>` are its messages (values empty).
+pub(super) struct KeyIndex {
+    pub(super) bucket: String,
+    pub(super) field_prefix: String,
+}
+
 /// Key names of one partition.
 pub(super) struct Keys(String);
 
@@ -214,8 +228,20 @@ impl Keys {
     pub(super) fn index(&self, state: MessageState) -> String {
         self.key(&format!("ix:{}", state.as_str()))
     }
+    /// Layout 5 and before: one sorted set of ids per ordering key, still read and swept for
+    /// the messages those layouts wrote.
     pub(super) fn index_of_key(&self, ordering_key: &str) -> String {
         self.key(&format!("ix:k:{}", key_hash(ordering_key)))
+    }
+    /// Where the key index keeps `ordering_key`'s messages (layout 6): its bucket, and the
+    /// start of their fields there.
+    pub(super) fn key_index(&self, ordering_key: &str) -> KeyIndex {
+        let hash = key_hash(ordering_key);
+        let (bucket, rest) = hash.split_at(KEY_INDEX_BUCKET_CHARS);
+        KeyIndex {
+            bucket: self.key(&format!("kx:{bucket}")),
+            field_prefix: format!("{rest}:"),
+        }
     }
     pub(super) fn payment(&self, payment_id: &str) -> String {
         self.key(&format!("pay:{}", short_hash(payment_id.as_bytes())))

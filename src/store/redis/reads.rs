@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use redis::{Cmd, Pipeline, Value};
 
 use super::connection::Sent;
+use super::keys::KeyIndex;
 use super::{RedisStore, corrupt, decode, field, record};
 use crate::clock::Millis;
 use crate::store::{
@@ -66,64 +67,93 @@ pub(super) async fn list(store: &RedisStore, filter: &ListFilter) -> Result<Page
 }
 
 /// Up to `limit` ids above `after` (and within the filter's creation times), merged over the
-/// partitions, or read from the one index of the filter's ordering key.
+/// partitions, or read from the key index of the filter's ordering keys.
 async fn scan_ids(
     store: &RedisStore,
     filter: &ListFilter,
     after: Option<&MessageId>,
     limit: usize,
 ) -> Result<Vec<MessageId>, StoreError> {
-    let min = match (after, filter.created_from) {
-        (Some(a), Some(f)) if MessageId::lower_bound(f) > *a => {
-            format!("[{}", MessageId::lower_bound(f))
+    let range = IdRange::of(filter, after);
+    let mut ids = match &filter.ordering_keys {
+        Some(keys) => ids_of_keys(store, keys, &range, limit).await?,
+        None => ids_by_state(store, filter, &range, limit).await?,
+    };
+    ids.sort();
+    ids.dedup();
+    ids.truncate(limit);
+    Ok(ids)
+}
+
+/// The ids a listing page may hold: above `after` and from `created_from` (inclusive), before
+/// `created_to`'s next millisecond.
+struct IdRange {
+    above: Option<MessageId>,
+    from: Option<MessageId>,
+    before: Option<MessageId>,
+}
+
+impl IdRange {
+    fn of(filter: &ListFilter, after: Option<&MessageId>) -> IdRange {
+        IdRange {
+            above: after.cloned(),
+            from: filter.created_from.map(MessageId::lower_bound),
+            before: filter.created_to.map(|t| MessageId::lower_bound(t + 1)),
         }
-        (Some(a), _) => format!("({a}"),
-        (None, Some(f)) => format!("[{}", MessageId::lower_bound(f)),
-        (None, None) => "-".to_string(),
-    };
-    let max = match filter.created_to {
-        Some(t) => format!("({}", MessageId::lower_bound(t + 1)),
-        None => "+".to_string(),
-    };
+    }
+
+    fn contains(&self, id: &MessageId) -> bool {
+        self.above.as_ref().is_none_or(|a| id > a)
+            && self.from.as_ref().is_none_or(|f| id >= f)
+            && self.before.as_ref().is_none_or(|b| id < b)
+    }
+
+    /// The range as `ZRANGE … BYLEX` bounds.
+    fn lex(&self) -> (String, String) {
+        let min = match (&self.above, &self.from) {
+            (Some(a), Some(f)) if f > a => format!("[{f}"),
+            (Some(a), _) => format!("({a}"),
+            (None, Some(f)) => format!("[{f}"),
+            (None, None) => "-".to_string(),
+        };
+        let max = match &self.before {
+            Some(b) => format!("({b}"),
+            None => "+".to_string(),
+        };
+        (min, max)
+    }
+}
+
+/// Each partition's first `limit` ids in range from its state indexes (the filter's state,
+/// or all of them): the `limit` smallest of them all are the next ids of the merged order,
+/// whatever the partitions' sizes.
+async fn ids_by_state(
+    store: &RedisStore,
+    filter: &ListFilter,
+    range: &IdRange,
+    limit: usize,
+) -> Result<Vec<MessageId>, StoreError> {
+    let (min, max) = range.lex();
     // No index holds every message: without a state filter, a partition's state indexes.
     let states: &[MessageState] = match &filter.state {
         Some(state) => std::slice::from_ref(state),
         None => &MessageState::ALL,
     };
-    let groups: Vec<Vec<String>> = match &filter.ordering_keys {
-        Some(keys) => keys
-            .iter()
-            .map(|k| vec![store.keys.of_ordering_key(k).index_of_key(k)])
-            .collect(),
-        None => store
-            .keys
-            .all()
-            .map(|keys| states.iter().map(|s| keys.index(*s)).collect())
-            .collect(),
-    };
     // A partition's indexes are read in one MULTI: without a state filter a message is in
     // exactly one of them at any moment, so it is seen once, never zero times.
-    let ranges: Vec<Pipeline> = groups
-        .iter()
-        .map(|indexes| {
+    let ranges: Vec<Pipeline> = store
+        .keys
+        .all()
+        .map(|keys| {
             let mut pipe = redis::pipe();
             pipe.cmd("MULTI");
-            for index in indexes {
-                pipe.cmd("ZRANGE")
-                    .arg(index)
-                    .arg(&min)
-                    .arg(&max)
-                    .arg("BYLEX")
-                    .arg("LIMIT")
-                    .arg(0)
-                    .arg(limit);
+            for state in states {
+                lex_range(&mut pipe, &keys.index(*state), &min, &max, limit);
             }
             pipe.cmd("EXEC");
             pipe
         })
         .collect();
-    // Each partition's first `limit` ids above `after`: the `limit` smallest of them all are
-    // the next ids of the merged order, whatever the partitions' sizes.
     let replies: Vec<Vec<Value>> = store.every_partition(Sent::Read, &ranges).await?;
     let mut ids = Vec::new();
     for mut reply in replies {
@@ -136,9 +166,87 @@ async fn scan_ids(
                 .filter_map(|s| MessageId::parse(&s)),
         );
     }
-    ids.sort();
-    ids.truncate(limit);
     Ok(ids)
+}
+
+fn lex_range(pipe: &mut Pipeline, index: &str, min: &str, max: &str, limit: usize) {
+    pipe.cmd("ZRANGE")
+        .arg(index)
+        .arg(min)
+        .arg(max)
+        .arg("BYLEX")
+        .arg("LIMIT")
+        .arg(0)
+        .arg(limit);
+}
+
+/// Fields of a key index bucket read per `HSCAN` step: a bucket in a listpack (up to 128
+/// fields) is always read whole, as Redis scans one in a single step.
+const KEY_INDEX_SCAN: usize = 1_000;
+
+/// The ids in range of `keys`' messages: from the key index (layout 6), and from the sorted
+/// set of each key that layout 5 and before kept, for the messages they wrote.
+async fn ids_of_keys(
+    store: &RedisStore,
+    keys: &[String],
+    range: &IdRange,
+    limit: usize,
+) -> Result<Vec<MessageId>, StoreError> {
+    let (min, max) = range.lex();
+    let places: Vec<_> = keys
+        .iter()
+        .map(|k| {
+            let keys = store.keys.of_ordering_key(k);
+            (keys.index_of_key(k), keys.key_index(k))
+        })
+        .collect();
+    let reads: Vec<Pipeline> = places
+        .iter()
+        .map(|(older, index)| {
+            let mut pipe = redis::pipe();
+            lex_range(&mut pipe, older, &min, &max, limit);
+            hscan(&mut pipe, index, 0);
+            pipe
+        })
+        .collect();
+    let replies: Vec<(Vec<String>, ScanStep)> = store.every_partition(Sent::Read, &reads).await?;
+    let mut ids = Vec::new();
+    for ((older, (mut cursor, mut fields)), (_, index)) in replies.into_iter().zip(&places) {
+        ids.extend(older.iter().filter_map(|s| MessageId::parse(s)));
+        loop {
+            // HSCAN answers fields and values in turn; every value is empty
+            ids.extend(
+                fields
+                    .iter()
+                    .step_by(2)
+                    .filter_map(|f| MessageId::parse(f.strip_prefix(&index.field_prefix)?))
+                    .filter(|id| range.contains(id)),
+            );
+            if cursor == 0 {
+                break;
+            }
+            let mut pipe = redis::pipe();
+            hscan(&mut pipe, index, cursor);
+            let ((next, more),): (ScanStep,) = store.send(&pipe).await?;
+            (cursor, fields) = (next, more);
+        }
+    }
+    Ok(ids)
+}
+
+/// What one `HSCAN` step answers: the cursor to go on from (0: done), and fields and values
+/// in turn.
+type ScanStep = (u64, Vec<String>);
+
+/// One `HSCAN` step over `index`'s bucket from `cursor`, for its key's fields.
+fn hscan(pipe: &mut Pipeline, index: &KeyIndex, cursor: u64) {
+    pipe.cmd("HSCAN")
+        .arg(&index.bucket)
+        .arg(cursor)
+        .arg("MATCH")
+        .arg(format!("{}*", index.field_prefix))
+        .arg("COUNT")
+        .arg(KEY_INDEX_SCAN);
 }
 
 /// Loads records, in the order of `ids`, skipping ids that are gone: one pipeline per

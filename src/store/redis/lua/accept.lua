@@ -4,7 +4,7 @@
 -- first state and its place in its queue. A message that heads its queue and is due now wakes
 -- other processes' dispatchers (wake.lua).
 -- KEYS: 1 dedupe, 2 message hash, 3 ordering queue, 4 due zset, 5 index of the initial state,
---       6 index of the ordering key, 7 payment status, 8 expiry bucket index,
+--       6 the ordering key's bucket of the key index (keys.rs), 7 payment status, 8 expiry bucket index,
 --       9 signature seal (a key that never exists when there is no seal),
 --       10 the source's inbound counts of the hour (recoveries.rs; never written when ARGV[18]
 --       is '')
@@ -123,6 +123,7 @@ if ARGV[16] ~= '' and redis.call('RPUSH', KEYS[3], id) == 1 then
   if tonumber(ARGV[16]) <= now then wake_dispatchers(KEYS[4]) end
 end
 redis.call('ZADD', KEYS[5], 0, id)
-redis.call('ZADD', KEYS[6], 0, id)
+-- the bucket is named by the key hash's first character, the field by the rest (keys.rs)
+redis.call('HSET', KEYS[6], string.sub(ARGV[13], 2) .. ':' .. id, '')
 arrived('n')
 return {'ok'}

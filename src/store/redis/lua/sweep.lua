@@ -15,7 +15,12 @@ local function delete_message(member)
   local f = redis.call('HMGET', key, 'kh', 'state')
   redis.call('DEL', key, prefix .. 'a:' .. id)
   if f[2] then redis.call('ZREM', prefix .. 'ix:' .. f[2], id) end
-  if f[1] then redis.call('ZREM', prefix .. 'ix:k:' .. f[1], id) end
+  if f[1] then
+    -- its entry in the key index (keys.rs), or, written by layout 5 and before, in its
+    -- key's own sorted set
+    redis.call('HDEL', prefix .. 'kx:' .. string.sub(f[1], 1, 1), string.sub(f[1], 2) .. ':' .. id)
+    redis.call('ZREM', prefix .. 'ix:k:' .. f[1], id)
+  end
 end
 local buckets = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, limit)
 for _, bucket in ipairs(buckets) do
