@@ -108,7 +108,10 @@ pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<()
         ("message hash m:", "cb:*:m:*"),
         ("history list a:", "cb:*:a:*"),
         ("dedupe claim d:", "cb:*:d:*"),
-        ("per-transaction index ix:k:", "cb:*:ix:k:*"),
+        (
+            "per-transaction index ix:k: (layout 5 and before)",
+            "cb:*:ix:k:*",
+        ),
     ] {
         let keys = scan(&mut conn, pattern, SAMPLE).await?;
         let Some(first) = keys.first() else {
@@ -124,6 +127,32 @@ pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<()
             .map_err(|e| e.to_string())?;
         sampled += avg;
         kinds.push(format!("{kind} {avg:.0} B ({encoding})"));
+    }
+    // The key index (layout 6) is shared: a bucket's memory over the messages it lists.
+    let buckets = scan(&mut conn, "cb:*:kx:*", SAMPLE).await?;
+    if let Some(first) = buckets.first() {
+        let usage: u64 = memory_usage(&mut conn, &buckets).await?.iter().sum();
+        let mut pipe = redis::pipe();
+        for bucket in &buckets {
+            pipe.hlen(bucket);
+        }
+        let fields: Vec<u64> = pipe
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        let fields: u64 = fields.iter().sum();
+        let per = usage as f64 / fields.max(1) as f64;
+        let encoding: String = redis::cmd("OBJECT")
+            .arg("ENCODING")
+            .arg(first.as_str())
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        sampled += per;
+        kinds.push(format!(
+            "key index kx: {per:.0} B a message ({:.1} in a bucket, {encoding})",
+            fields as f64 / buckets.len() as f64
+        ));
     }
     report.row(
         "Redis memory per finished callback, by key (MEMORY USAGE, a sample of each kind; the rest is the state index and expiry-bucket members and the keyspace and expires entries)",
