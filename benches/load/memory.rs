@@ -134,7 +134,7 @@ pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<()
         let usage: u64 = memory_usage(&mut conn, &buckets).await?.iter().sum();
         let mut pipe = redis::pipe();
         for bucket in &buckets {
-            pipe.hlen(bucket);
+            pipe.zcard(bucket);
         }
         let fields: Vec<u64> = pipe
             .query_async(&mut conn)

@@ -17,7 +17,7 @@
 //! | `due` | zset | due heads scored by next attempt time |
 //! | `lease` | zset | in-flight ids scored by lease expiry |
 //! | `ix:<state>` | zset (lex) | ids for listing by state (all states: the state indexes merged) |
-//! | `kx:<c>` | hash | the key index, for listing by ordering key: a field `<kh without c>:<id>` (value empty) per message whose [`key_hash`] starts with the character `<c>`, 64 buckets a partition (layout 6; `ix:k:<kh>`, a zset of ids per ordering key, in layout 5 and before, read and swept until its messages end) |
+//! | `kx:<c>` | zset (lex) | the key index, for listing by ordering key: a member `<kh without c>:<id>` per message whose [`key_hash`] starts with the character `<c>`, 64 buckets a partition, so that a key's members are one lex range (layout 6; `ix:k:<kh>`, a zset of ids per ordering key, in layout 5 and before, read and swept until its messages end) |
 //! | `pay:<hash>` | string | end ms `\|` payment status for the compare-and-set, `payment_retention_secs` |
 //! | `x:<b>` | list | expiry bucket `b` of strings: `d:`, `s:`, `pay:` members whose end falls in hour `b` |
 //! | `xm:<b>` | list | expiry bucket `b` of messages: `m:<id>` members of finished or recorded messages |
@@ -73,8 +73,8 @@
 //! of the provider-side recoveries by id, recoveries.rs), all under the configured prefix
 //! too.
 //!
-//! The scripts build some names themselves from the partition prefix (`m:`, `a:`, `ix:`,
-//! `ix:k:` and `kx:` in claim.lua and sweep.lua, the expiry buckets in expiry.lua), and `upgrade.rs`
+//! The scripts build some names themselves from the partition prefix (`m:` in claim.lua;
+//! `m:`, `a:`, `ix:`, `ix:k:` and `kx:` in sweep.lua; the expiry buckets in expiry.lua), and `upgrade.rs`
 //! names the keys of versions 1 and 2 on its own, since those layouts are fixed whatever this
 //! one becomes. A change to this layout changes them too, and bumps
 //! [`SCHEMA_VERSION`] with an upgrade from the old one.
@@ -172,15 +172,17 @@ impl KeySpace {
 }
 
 /// Characters of an ordering key's hash that name its bucket of the key index: 64 buckets a
-/// partition, so that a bucket holds many keys' fields in one listpack rather than each key a
-/// sorted set of its own (sweep.lua splits the hash the same way).
+/// partition, so that a bucket holds many keys' members in one listpack rather than each key
+/// a sorted set of its own (accept.lua and sweep.lua split the hash the same way). Past
+/// Redis' `zset-max-listpack-entries` (128) a bucket is a skiplist, and a key's messages are
+/// still one lex range of it.
 const KEY_INDEX_BUCKET_CHARS: usize = 1;
 
-/// One ordering key's place in the key index: the hash `bucket`, whose fields
-/// `<field_prefix><id>` are its messages (values empty).
+/// One ordering key's place in the key index: the sorted set `bucket`, whose members
+/// `<member_prefix><id>` (score 0, ordered by id) are its messages.
 pub(super) struct KeyIndex {
     pub(super) bucket: String,
-    pub(super) field_prefix: String,
+    pub(super) member_prefix: String,
 }
 
 /// Key names of one partition.
@@ -234,13 +236,13 @@ impl Keys {
         self.key(&format!("ix:k:{}", key_hash(ordering_key)))
     }
     /// Where the key index keeps `ordering_key`'s messages (layout 6): its bucket, and the
-    /// start of their fields there.
+    /// start of their members there.
     pub(super) fn key_index(&self, ordering_key: &str) -> KeyIndex {
         let hash = key_hash(ordering_key);
         let (bucket, rest) = hash.split_at(KEY_INDEX_BUCKET_CHARS);
         KeyIndex {
             bucket: self.key(&format!("kx:{bucket}")),
-            field_prefix: format!("{rest}:"),
+            member_prefix: format!("{rest}:"),
         }
     }
     pub(super) fn payment(&self, payment_id: &str) -> String {

@@ -6,7 +6,6 @@ use std::collections::{BTreeMap, HashMap};
 use redis::{Cmd, Pipeline, Value};
 
 use super::connection::Sent;
-use super::keys::KeyIndex;
 use super::{RedisStore, corrupt, decode, field, record};
 use crate::clock::Millis;
 use crate::store::{
@@ -102,23 +101,21 @@ impl IdRange {
         }
     }
 
-    fn contains(&self, id: &MessageId) -> bool {
-        self.above.as_ref().is_none_or(|a| id > a)
-            && self.from.as_ref().is_none_or(|f| id >= f)
-            && self.before.as_ref().is_none_or(|b| id < b)
-    }
-
-    /// The range as `ZRANGE … BYLEX` bounds.
-    fn lex(&self) -> (String, String) {
+    /// The range as `ZRANGE … BYLEX` bounds over the members `<prefix><id>` of a sorted set:
+    /// the state indexes' ids (`prefix` empty), or one key's members of the key index, whose
+    /// prefix ends in `:` (`;` is the character after it, so `(<…>;` ends the key's range).
+    fn lex(&self, prefix: &str) -> (String, String) {
         let min = match (&self.above, &self.from) {
-            (Some(a), Some(f)) if f > a => format!("[{f}"),
-            (Some(a), _) => format!("({a}"),
-            (None, Some(f)) => format!("[{f}"),
-            (None, None) => "-".to_string(),
+            (Some(a), Some(f)) if f > a => format!("[{prefix}{f}"),
+            (Some(a), _) => format!("({prefix}{a}"),
+            (None, Some(f)) => format!("[{prefix}{f}"),
+            (None, None) if prefix.is_empty() => "-".to_string(),
+            (None, None) => format!("[{prefix}"),
         };
-        let max = match &self.before {
-            Some(b) => format!("({b}"),
-            None => "+".to_string(),
+        let max = match (&self.before, prefix.strip_suffix(':')) {
+            (Some(b), _) => format!("({prefix}{b}"),
+            (None, Some(key)) => format!("({key};"),
+            (None, None) => "+".to_string(),
         };
         (min, max)
     }
@@ -133,7 +130,7 @@ async fn ids_by_state(
     range: &IdRange,
     limit: usize,
 ) -> Result<Vec<MessageId>, StoreError> {
-    let (min, max) = range.lex();
+    let (min, max) = range.lex("");
     // No index holds every message: without a state filter, a partition's state indexes.
     let states: &[MessageState] = match &filter.state {
         Some(state) => std::slice::from_ref(state),
@@ -180,19 +177,17 @@ fn lex_range(pipe: &mut Pipeline, index: &str, min: &str, max: &str, limit: usiz
         .arg(limit);
 }
 
-/// Fields of a key index bucket read per `HSCAN` step: a bucket in a listpack (up to 128
-/// fields) is always read whole, as Redis scans one in a single step.
-const KEY_INDEX_SCAN: usize = 1_000;
-
-/// The ids in range of `keys`' messages: from the key index (layout 6), and from the sorted
-/// set of each key that layout 5 and before kept, for the messages they wrote.
+/// The first `limit` ids in range of each of `keys`' messages: from the key index (layout 6),
+/// and from the sorted set of each key that layout 5 and before kept, for the messages they
+/// wrote. A key's messages are one lex range of its bucket, as they were the whole of its
+/// own set, so a page reads `limit` of them, whatever the bucket holds.
 async fn ids_of_keys(
     store: &RedisStore,
     keys: &[String],
     range: &IdRange,
     limit: usize,
 ) -> Result<Vec<MessageId>, StoreError> {
-    let (min, max) = range.lex();
+    let (min, max) = range.lex("");
     let places: Vec<_> = keys
         .iter()
         .map(|k| {
@@ -203,50 +198,25 @@ async fn ids_of_keys(
     let reads: Vec<Pipeline> = places
         .iter()
         .map(|(older, index)| {
+            let (from, to) = range.lex(&index.member_prefix);
             let mut pipe = redis::pipe();
             lex_range(&mut pipe, older, &min, &max, limit);
-            hscan(&mut pipe, index, 0);
+            lex_range(&mut pipe, &index.bucket, &from, &to, limit);
             pipe
         })
         .collect();
-    let replies: Vec<(Vec<String>, ScanStep)> = store.every_partition(Sent::Read, &reads).await?;
+    let replies: Vec<(Vec<String>, Vec<String>)> =
+        store.every_partition(Sent::Read, &reads).await?;
     let mut ids = Vec::new();
-    for ((older, (mut cursor, mut fields)), (_, index)) in replies.into_iter().zip(&places) {
+    for ((older, members), (_, index)) in replies.into_iter().zip(&places) {
         ids.extend(older.iter().filter_map(|s| MessageId::parse(s)));
-        loop {
-            // HSCAN answers fields and values in turn; every value is empty
-            ids.extend(
-                fields
-                    .iter()
-                    .step_by(2)
-                    .filter_map(|f| MessageId::parse(f.strip_prefix(&index.field_prefix)?))
-                    .filter(|id| range.contains(id)),
-            );
-            if cursor == 0 {
-                break;
-            }
-            let mut pipe = redis::pipe();
-            hscan(&mut pipe, index, cursor);
-            let ((next, more),): (ScanStep,) = store.send(&pipe).await?;
-            (cursor, fields) = (next, more);
-        }
+        ids.extend(
+            members
+                .iter()
+                .filter_map(|m| MessageId::parse(m.strip_prefix(&index.member_prefix)?)),
+        );
     }
     Ok(ids)
-}
-
-/// What one `HSCAN` step answers: the cursor to go on from (0: done), and fields and values
-/// in turn.
-type ScanStep = (u64, Vec<String>);
-
-/// One `HSCAN` step over `index`'s bucket from `cursor`, for its key's fields.
-fn hscan(pipe: &mut Pipeline, index: &KeyIndex, cursor: u64) {
-    pipe.cmd("HSCAN")
-        .arg(&index.bucket)
-        .arg(cursor)
-        .arg("MATCH")
-        .arg(format!("{}*", index.field_prefix))
-        .arg("COUNT")
-        .arg(KEY_INDEX_SCAN);
 }
 
 /// Loads records, in the order of `ids`, skipping ids that are gone: one pipeline per

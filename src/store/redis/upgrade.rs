@@ -24,9 +24,11 @@
 //! is, and a version-4 binary refuses the store once records in pieces may be in it.
 //!
 //! Version 6 compresses new records and first history rows against fixed dictionaries
-//! (store/record.rs). It rewrites nothing: the records and JSON first rows of version 5 stay
-//! readable as they are, and a version-5 binary refuses the store once either new form may be
-//! in it.
+//! (store/record.rs), and lists by ordering key through the shared key index `kx:` (keys.rs).
+//! It rewrites nothing: the records and JSON first rows of version 5 stay readable as they
+//! are, and its messages stay in their sets `ix:k:<kh>`, read beside the key index until the
+//! sweeper empties them. A version-5 binary refuses the store once either new form may be in
+//! it, and messages its listing by key would not find.
 //!
 //! Every step is idempotent (members are added with `NX`, a payment is extended only while
 //! it has no member yet, a v2 expiry member leaves with its upgrade), so an upgrade cut short

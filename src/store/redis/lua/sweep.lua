@@ -18,7 +18,7 @@ local function delete_message(member)
   if f[1] then
     -- its entry in the key index (keys.rs), or, written by layout 5 and before, in its
     -- key's own sorted set
-    redis.call('HDEL', prefix .. 'kx:' .. string.sub(f[1], 1, 1), string.sub(f[1], 2) .. ':' .. id)
+    redis.call('ZREM', prefix .. 'kx:' .. string.sub(f[1], 1, 1), string.sub(f[1], 2) .. ':' .. id)
     redis.call('ZREM', prefix .. 'ix:k:' .. f[1], id)
   end
 end
