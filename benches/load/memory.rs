@@ -119,12 +119,7 @@ pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<()
         };
         let usages = memory_usage(&mut conn, &keys).await?;
         let avg = usages.iter().sum::<u64>() as f64 / usages.len().max(1) as f64;
-        let encoding: String = redis::cmd("OBJECT")
-            .arg("ENCODING")
-            .arg(first.as_str())
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
+        let encoding = encoding(&mut conn, first).await?;
         sampled += avg;
         kinds.push(format!("{kind} {avg:.0} B ({encoding})"));
     }
@@ -136,22 +131,17 @@ pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<()
         for bucket in &buckets {
             pipe.zcard(bucket);
         }
-        let fields: Vec<u64> = pipe
+        let members: Vec<u64> = pipe
             .query_async(&mut conn)
             .await
             .map_err(|e| e.to_string())?;
-        let fields: u64 = fields.iter().sum();
-        let per = usage as f64 / fields.max(1) as f64;
-        let encoding: String = redis::cmd("OBJECT")
-            .arg("ENCODING")
-            .arg(first.as_str())
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
+        let members: u64 = members.iter().sum();
+        let per = usage as f64 / members.max(1) as f64;
+        let encoding = encoding(&mut conn, first).await?;
         sampled += per;
         kinds.push(format!(
             "key index kx: {per:.0} B a message ({:.1} in a bucket, {encoding})",
-            fields as f64 / buckets.len() as f64
+            members as f64 / buckets.len() as f64
         ));
     }
     report.row(
@@ -194,6 +184,19 @@ async fn scan(
             return Ok(keys);
         }
     }
+}
+
+/// How Redis keeps `key` (`OBJECT ENCODING`).
+async fn encoding(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> Result<String, String> {
+    redis::cmd("OBJECT")
+        .arg("ENCODING")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// `MEMORY USAGE` of each of `keys` (every element counted, `SAMPLES 0`).
