@@ -4099,6 +4099,17 @@ mod redis_only {
         the_integer_claim_replays(s, "v5", now).await;
         the_release_fixture_goes_on(s, "v5").await;
         new_messages_are_kept_compact(&h, now).await;
+
+        // The sweeper empties layout 5's set of a key as its message ends.
+        let older = format!(
+            "cb:{{p{:02}}}:ix:k:{}",
+            id.partition(),
+            callbackd::digest::short_hash(b"v5/dead")
+        );
+        assert_eq!(server.cli(&["EXISTS", &older]), "1");
+        h.sweep_all(T0 + 40 * DAY_MS).await;
+        assert_eq!(server.cli(&["EXISTS", &older]), "0");
+        assert!(s.get(id).await.unwrap().is_none());
     }
 
     /// A bucket of the key index too large for a listpack (a skiplist to Redis) still lists
