@@ -370,6 +370,7 @@ contract!(
     bodies_of_every_size_are_claimed_and_read_byte_for_byte,
     list_pages_carry_counts_but_no_histories,
     everything_of_a_finished_message_is_swept_after_the_retention,
+    finished_messages_past_many_buckets_list_in_order_through_resends_and_sweeps,
     retries_days_ahead_become_due_exactly_at_their_time,
     order_per_key_is_kept_across_far_retries,
     resend_expedites_a_message_retried_days_ahead,
@@ -2807,6 +2808,147 @@ async fn everything_of_a_finished_message_is_swept_after_the_retention(h: &Harne
     assert!(everything.is_empty(), "no index entry left behind");
 }
 
+/// Hundreds of finished messages in one partition, finished out of order: more than a Redis
+/// bucket of the finished states' index holds (index.lua), so buckets fill, split in the
+/// middle and at the end, and empty. Listing by state finds each message once, in order, a
+/// page at a time and within a window, while resends take messages out of the middle and
+/// bring them back, and the sweep leaves nothing behind.
+async fn finished_messages_past_many_buckets_list_in_order_through_resends_and_sweeps(h: &Harness) {
+    const N: usize = 300;
+    let s = h.s();
+    let baseline = h.footprint();
+    let partition = partition_of("pay/fin-0", s.partitions());
+    let in_partition = |key: &String| partition_of(key, s.partitions()) == partition;
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("pay/fin-{i}"))
+        .filter(in_partition)
+        .take(N)
+        .collect();
+    let mut accepted = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        accepted.push(accept_new(s, key, T0 + i as Millis).await);
+    }
+    let recorded: Vec<MessageId> = {
+        let mut recorded = Vec::new();
+        for tx in (0..)
+            .map(|i| format!("tx-fin-{i}"))
+            .filter(|tx| in_partition(&format!("src/quiet/{tx}")))
+            .take(40)
+        {
+            let mut message = inbound("quiet", &tx, T0 + 50 + recorded.len() as Millis);
+            message.target_url = None;
+            recorded.push(accept(s, message, T0 + 1_000).await);
+        }
+        recorded
+    };
+    // Claimed all, finished in an order that is not the ids' (7 is prime to N), and that
+    // starts above the least of them.
+    let now = T0 + 1_000;
+    let mut leases = Vec::new();
+    while leases.len() < N {
+        let claimed = claim(s, now, 100).await;
+        assert!(!claimed.is_empty(), "{} of {N} claimed", leases.len());
+        leases.extend(claimed);
+    }
+    leases.sort_by(|a, b| a.message.id.cmp(&b.message.id));
+    for i in 0..N {
+        assert!(complete(s, &leases[(i * 7 + 3) % N], Completion::Delivered, now).await);
+    }
+    let listed_in = |state: MessageState, limit: usize| {
+        list_all(
+            s,
+            ListFilter {
+                limit,
+                state: Some(state),
+                ..Default::default()
+            },
+        )
+    };
+    let mut delivered = accepted.clone();
+    delivered.sort();
+    for limit in [7, 100, 1_000] {
+        assert_eq!(
+            ids(&listed_in(MessageState::Delivered, limit).await),
+            delivered,
+            "limit {limit}"
+        );
+    }
+    assert_eq!(ids(&listed_in(MessageState::Recorded, 9).await), recorded);
+    let window = list_all(
+        s,
+        ListFilter {
+            limit: 13,
+            state: Some(MessageState::Delivered),
+            created_from: Some(T0 + 100),
+            created_to: Some(T0 + 199),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(ids(&window), accepted[100..200]);
+    let mut everything: Vec<MessageId> = delivered.iter().chain(&recorded).cloned().collect();
+    everything.sort();
+    let all = list_all(
+        s,
+        ListFilter {
+            limit: 17,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(ids(&all), everything);
+    if let Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } = &h.backend {
+        let buckets = server.cli(&["KEYS", &format!("cb:{{p{partition:02}}}:fx:delivered:*")]);
+        assert!(buckets.lines().count() >= 3, "{buckets}");
+        for bucket in buckets.lines() {
+            let size: usize = server.cli(&["ZCARD", bucket]).parse().unwrap();
+            assert!((1..=128).contains(&size), "{bucket}: {size}");
+            assert_eq!(
+                server.cli(&["OBJECT", "ENCODING", bucket]),
+                "listpack",
+                "{bucket}"
+            );
+        }
+    }
+
+    // Every third delivered message is resent, out of the middle of its bucket, and delivered
+    // again.
+    let later = now + DAY_MS;
+    let resent: Vec<&MessageId> = delivered.iter().step_by(3).collect();
+    for id in &resent {
+        let effect = s
+            .resend(id, resend_mark(later), later + 7 * DAY_MS, later)
+            .await;
+        assert_eq!(effect.unwrap(), ResendEffect::Requeued);
+    }
+    let left: Vec<MessageId> = delivered
+        .iter()
+        .filter(|id| !resent.contains(id))
+        .cloned()
+        .collect();
+    assert_eq!(ids(&listed_in(MessageState::Delivered, 11).await), left);
+    let pending: Vec<MessageId> = resent.iter().map(|id| (*id).clone()).collect();
+    assert_eq!(ids(&listed_in(MessageState::Pending, 11).await), pending);
+    let mut again = Vec::new();
+    while again.len() < resent.len() {
+        let claimed = claim(s, later, 100).await;
+        assert!(!claimed.is_empty());
+        again.extend(claimed);
+    }
+    for c in again.iter().rev() {
+        assert!(complete(s, c, Completion::Delivered, later).await);
+    }
+    assert_eq!(
+        ids(&listed_in(MessageState::Delivered, 50).await),
+        delivered
+    );
+
+    h.sweep_all(later + RETENTION_SECS as Millis * 1000).await;
+    assert!(listed_in(MessageState::Delivered, 50).await.is_empty());
+    assert!(listed_in(MessageState::Recorded, 50).await.is_empty());
+    assert_eq!(h.footprint(), baseline, "no bucket or key left behind");
+}
+
 // ---------------------------------------------------------------------------------------
 // Retries scheduled days ahead
 
@@ -4110,6 +4252,70 @@ mod redis_only {
         h.sweep_all(T0 + 40 * DAY_MS).await;
         assert_eq!(server.cli(&["EXISTS", &older]), "0");
         assert!(s.get(id).await.unwrap().is_none());
+    }
+
+    /// Layout version 6, written by the store of commit f577cd9 (tests/fixtures/
+    /// make_redis_fixture.rs): nothing is rewritten; its delivered and recorded messages are
+    /// listed by state from the sorted set it kept for each state, beside the buckets layout 7
+    /// keeps (index.lua), and are swept out of it as they end.
+    #[tokio::test]
+    async fn a_sixth_release_redis_store_is_upgraded_in_place() {
+        let h = upgraded_fixture(include_str!("fixtures/redis_v6.json"), 6).await;
+        let s = h.s();
+        let now = T0 + 10_000;
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let older = |state: MessageState| {
+            let key = server.cli(&["KEYS", &format!("cb:*:ix:{}", state.as_str())]);
+            assert!(key.lines().count() <= 1, "{key}");
+            key
+        };
+        let listed = |state: MessageState| async move {
+            let of_state = ListFilter {
+                limit: 1,
+                state: Some(state),
+                ..Default::default()
+            };
+            ids(&list_all(s, of_state).await)
+        };
+        assert_eq!(server.cli(&["KEYS", "cb:*:fx:*"]), "", "nothing rewritten");
+        let delivered = message_of_key(s, "v6/delivered").await.message.id;
+        let recorded = the_recorded_callback(s).await.message.id;
+        for (state, id) in [
+            (MessageState::Delivered, &delivered),
+            (MessageState::Recorded, &recorded),
+        ] {
+            assert_eq!(
+                server.cli(&["ZRANGE", &older(state), "0", "-1"]),
+                id.as_str()
+            );
+            assert_eq!(listed(state).await, std::slice::from_ref(id), "{state:?}");
+        }
+
+        the_integer_claim_replays(s, "v6", now).await;
+        the_release_fixture_goes_on(s, "v6").await;
+        new_messages_are_kept_compact(&h, now).await;
+
+        // A callback recorded now is kept in a bucket, and listed after the one layout 6 kept.
+        let mut quiet = inbound("quiet", "tx-after-upgrade", now);
+        quiet.id = MessageId::generate(now, &quiet.ordering_key, s.partitions());
+        quiet.target_url = None;
+        let fresh = accept(s, quiet, now).await;
+        assert_eq!(
+            server.cli(&["KEYS", "cb:*:fx:recorded:*"]).lines().count(),
+            1
+        );
+        assert_eq!(
+            listed(MessageState::Recorded).await,
+            [recorded.clone(), fresh]
+        );
+        h.sweep_all(T0 + 40 * DAY_MS).await;
+        for state in [MessageState::Delivered, MessageState::Recorded] {
+            assert_eq!(older(state), "", "{state:?} swept out of layout 6's set");
+            assert!(listed(state).await.is_empty());
+        }
+        assert_eq!(server.cli(&["KEYS", "cb:*:fx:*"]), "");
     }
 
     /// A bucket of the key index too large for a listpack (a skiplist to Redis) still lists

@@ -360,6 +360,9 @@ pub(super) enum Sent<'s> {
     /// Calls of one script: loaded where a server lacks it, acknowledged by replicas when
     /// `store.min_replicas_acked` asks for it ([`RedisStore::eval`]).
     Script(&'s super::scripts::LuaScript),
+    /// Calls of one script that only reads: loaded where a server lacks it, and no replica
+    /// has anything to acknowledge.
+    ReadScript(&'s super::scripts::LuaScript),
 }
 
 impl RedisStore {
@@ -418,6 +421,7 @@ impl RedisStore {
         match sent {
             Sent::Read => self.send(pipe).await,
             Sent::Script(script) => self.eval(script, pipe).await,
+            Sent::ReadScript(script) => self.eval_read(script, pipe).await,
         }
     }
 }

@@ -16,7 +16,8 @@
 //! | `q:<kh>` | list | ids of one ordering key not yet finished; only the head is due |
 //! | `due` | zset | due heads scored by next attempt time |
 //! | `lease` | zset | in-flight ids scored by lease expiry |
-//! | `ix:<state>` | zset (lex) | ids for listing by state (all states: the state indexes merged) |
+//! | `ix:<state>` | zset (lex) | ids for listing by state: `pending`, `in_flight`, `dead` (and, written by layout 6 and before, `delivered` and `recorded`, read and swept until their messages end) |
+//! | `fx:<state>` | zset (lex) | `delivered`, `recorded` (layout 7): the bounds of the state's buckets of ids, each bound `<b>` naming the bucket `fx:<state>:<b>`, a zset (lex) of at most 128 ids from `<b>` up to the next bound, so that it stays a listpack (index.lua) |
 //! | `kx:<c>` | zset (lex) | the key index, for listing by ordering key: a member `<kh without c>:<id>` per message whose [`key_hash`] starts with the character `<c>`, 64 buckets a partition, so that a key's members are one lex range (layout 6; `ix:k:<kh>`, a zset of ids per ordering key, in layout 5 and before, read and swept until its messages end) |
 //! | `pay:<hash>` | string | end ms `\|` payment status for the compare-and-set, `payment_retention_secs` |
 //! | `x:<b>` | list | expiry bucket `b` of strings: `d:`, `s:`, `pay:` members whose end falls in hour `b` |
@@ -74,7 +75,8 @@
 //! too.
 //!
 //! The scripts build some names themselves from the partition prefix (`m:` in claim.lua;
-//! `m:`, `a:`, `ix:`, `ix:k:` and `kx:` in sweep.lua; the expiry buckets in expiry.lua), and `upgrade.rs`
+//! `m:`, `a:`, `ix:`, `fx:`, `ix:k:` and `kx:` in sweep.lua; a bucket's name from its
+//! index's, and `ix:` from `fx:`, in index.lua and list.lua; the expiry buckets in expiry.lua), and `upgrade.rs`
 //! names the keys of versions 1 and 2 on its own, since those layouts are fixed whatever this
 //! one becomes. A change to this layout changes them too, and bumps
 //! [`SCHEMA_VERSION`] with an upgrade from the old one.
@@ -91,8 +93,9 @@ use crate::store::{MessageId, MessageState};
 /// 5: a message's record may be compressed and, with its first history row, is kept in
 /// pieces in its hash (record.rs); 6: both compressed against dictionaries when that is
 /// smaller (store/record.rs), and messages listed by ordering key through the shared key
-/// index `kx:` instead of a sorted set per key.
-pub const SCHEMA_VERSION: u32 = 6;
+/// index `kx:` instead of a sorted set per key; 7: delivered and recorded messages listed
+/// through buckets of ids (`fx:`, index.lua) instead of a sorted set per state.
+pub const SCHEMA_VERSION: u32 = 7;
 
 /// Width of an expiry bucket: a member is deleted by the first sweep at or after its end, and
 /// at the latest one bucket later when it was pushed behind a later end.
@@ -227,8 +230,18 @@ impl Keys {
     pub(super) fn wake(&self) -> String {
         self.key("wake")
     }
+    /// The listing index of `state` (index.lua): the states a message ends in hold the
+    /// retention's messages, kept in buckets (`fx:`, layout 7); the states it passes through
+    /// a sorted set each (`ix:`), whose size is the count of their messages.
     pub(super) fn index(&self, state: MessageState) -> String {
-        self.key(&format!("ix:{}", state.as_str()))
+        match state {
+            MessageState::Delivered | MessageState::Recorded => {
+                self.key(&format!("fx:{}", state.as_str()))
+            }
+            MessageState::Pending | MessageState::InFlight | MessageState::Dead => {
+                self.key(&format!("ix:{}", state.as_str()))
+            }
+        }
     }
     /// Layout 5 and before: one sorted set of ids per ordering key, still read and swept for
     /// the messages those layouts wrote.

@@ -342,7 +342,7 @@ impl RedisStore {
         self.query(request.into()).await.map_err(unavailable)
     }
 
-    /// Sends calls of `script` (see [`script_call`]); every script writes, so this is a
+    /// Sends calls of `script` (see [`script_call`]), a script that writes, so this is a
     /// [`RedisStore::write`]. A server that restarted since, another server behind the URL, or
     /// a replica promoted to master has no scripts in its cache: a NOSCRIPT reply loads
     /// `script` on every primary and sends the calls again.
@@ -354,20 +354,41 @@ impl RedisStore {
         let request = request.into();
         let (reply, acked) = match self.query_acked(request).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                let loads = self
-                    .conn
-                    .on_every_primary(&script.load())
-                    .await
-                    .map_err(unavailable)?;
-                for (_, loaded) in loads {
-                    loaded.map_err(unavailable)?;
-                }
+                self.load_everywhere(script).await?;
                 self.query_acked(request).await.map_err(unavailable)?
             }
             other => other.map_err(unavailable)?,
         };
         self.check_acks(acked)?;
         Ok(reply)
+    }
+
+    /// [`RedisStore::eval`] of a script that only reads (`list.lua`): a [`RedisStore::send`].
+    async fn eval_read<'r, T: FromRedisValue>(
+        &self,
+        script: &LuaScript,
+        request: impl Into<Request<'r>>,
+    ) -> Result<T, StoreError> {
+        let request = request.into();
+        match self.query(request).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.load_everywhere(script).await?;
+                self.query(request).await.map_err(unavailable)
+            }
+            other => other.map_err(unavailable),
+        }
+    }
+
+    async fn load_everywhere(&self, script: &LuaScript) -> Result<(), StoreError> {
+        let loads = self
+            .conn
+            .on_every_primary(&script.load())
+            .await
+            .map_err(unavailable)?;
+        for (_, loaded) in loads {
+            loaded.map_err(unavailable)?;
+        }
+        Ok(())
     }
 
     /// Sends a round trip that writes; with `store.min_replicas_acked = N > 0` it succeeds only

@@ -1,12 +1,13 @@
 //! The reads: plain commands, one pipeline per partition where they span partitions
-//! ([`RedisStore::every_partition`]). None changes anything, so none needs a script.
+//! ([`RedisStore::every_partition`]). None changes anything. Listing by state is one script
+//! per partition (list.lua), which finds the buckets of an index as it reads them.
 
 use std::collections::{BTreeMap, HashMap};
 
 use redis::{Cmd, Pipeline, Value};
 
 use super::connection::Sent;
-use super::{RedisStore, corrupt, decode, field, record};
+use super::{RedisStore, corrupt, decode, field, one_call, record, script_call};
 use crate::clock::Millis;
 use crate::store::{
     HistoryEntry, ListFilter, MessageId, MessageRecord, MessageState, Page, QueueDepth, StoreError,
@@ -123,7 +124,8 @@ impl IdRange {
 
 /// Each partition's first `limit` ids in range from its state indexes (the filter's state,
 /// or all of them): the `limit` smallest of them all are the next ids of the merged order,
-/// whatever the partitions' sizes.
+/// whatever the partitions' sizes. A partition's indexes are read by one script (list.lua),
+/// so without a state filter a message is seen once, never zero times, as it moves.
 async fn ids_by_state(
     store: &RedisStore,
     filter: &ListFilter,
@@ -131,39 +133,28 @@ async fn ids_by_state(
     limit: usize,
 ) -> Result<Vec<MessageId>, StoreError> {
     let (min, max) = range.lex("");
-    // No index holds every message: without a state filter, a partition's state indexes.
     let states: &[MessageState] = match &filter.state {
         Some(state) => std::slice::from_ref(state),
         None => &MessageState::ALL,
     };
-    // A partition's indexes are read in one MULTI: without a state filter a message is in
-    // exactly one of them at any moment, so it is seen once, never zero times.
     let ranges: Vec<Pipeline> = store
         .keys
         .all()
         .map(|keys| {
-            let mut pipe = redis::pipe();
-            pipe.cmd("MULTI");
-            for state in states {
-                lex_range(&mut pipe, &keys.index(*state), &min, &max, limit);
-            }
-            pipe.cmd("EXEC");
-            pipe
+            let indexes: Vec<String> = states.iter().map(|s| keys.index(*s)).collect();
+            let mut call = script_call(&store.scripts.list, &indexes);
+            call.arg(&min).arg(&max).arg(limit);
+            one_call(call)
         })
         .collect();
-    let replies: Vec<Vec<Value>> = store.every_partition(Sent::Read, &ranges).await?;
-    let mut ids = Vec::new();
-    for mut reply in replies {
-        // MULTI's OK, a QUEUED per range, then EXEC's replies
-        let pages: Vec<Vec<String>> = decode(reply.pop().unwrap_or(Value::Nil))?;
-        ids.extend(
-            pages
-                .into_iter()
-                .flatten()
-                .filter_map(|s| MessageId::parse(&s)),
-        );
-    }
-    Ok(ids)
+    let replies: Vec<(Vec<String>,)> = store
+        .every_partition(Sent::ReadScript(&store.scripts.list), &ranges)
+        .await?;
+    Ok(replies
+        .into_iter()
+        .flat_map(|(ids,)| ids)
+        .filter_map(|s| MessageId::parse(&s))
+        .collect())
 }
 
 fn lex_range(pipe: &mut Pipeline, index: &str, min: &str, max: &str, limit: usize) {

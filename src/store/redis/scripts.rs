@@ -4,14 +4,16 @@
 
 use redis::{Cmd, Script};
 
-/// The scripts, compiled in. History appends and lifetimes are shared Lua (`history.lua`,
-/// `expiry.lua`), prepended to the scripts that use them.
+/// The scripts, compiled in. History appends, lifetimes and the state indexes are shared Lua
+/// (`history.lua`, `expiry.lua`, `index.lua`), prepended to the scripts that use them.
 pub(super) struct Scripts {
     pub(super) accept: LuaScript,
     pub(super) claim: LuaScript,
     /// Writes one lifecycle effect to a message (`apply.rs`).
     pub(super) apply: LuaScript,
     pub(super) sweep: LuaScript,
+    /// Reads a page of ids from a partition's state indexes (`reads.rs`).
+    pub(super) list: LuaScript,
     /// Writes nothing, but is flagged as a script that may: Redis refuses it exactly when it
     /// would refuse a growing write, so `ping` learns the store is full without writing.
     pub(super) full_probe: LuaScript,
@@ -76,6 +78,7 @@ impl Scripts {
                     "SPUBLISH",
                     "lua/pieces.lua",
                     "lua/expiry.lua",
+                    "lua/index.lua",
                     "lua/accept.lua"
                 ),
                 grows_and_wakes!(
@@ -83,6 +86,7 @@ impl Scripts {
                     "lua/pieces.lua",
                     "lua/history.lua",
                     "lua/expiry.lua",
+                    "lua/index.lua",
                     "lua/apply.lua"
                 ),
             )
@@ -92,6 +96,7 @@ impl Scripts {
                     "PUBLISH",
                     "lua/pieces.lua",
                     "lua/expiry.lua",
+                    "lua/index.lua",
                     "lua/accept.lua"
                 ),
                 grows_and_wakes!(
@@ -99,6 +104,7 @@ impl Scripts {
                     "lua/pieces.lua",
                     "lua/history.lua",
                     "lua/expiry.lua",
+                    "lua/index.lua",
                     "lua/apply.lua"
                 ),
             )
@@ -111,7 +117,14 @@ impl Scripts {
             sweep: LuaScript::new(concat!(
                 "#!lua flags=allow-oom\n",
                 include_str!("lua/expiry.lua"),
+                include_str!("lua/index.lua"),
                 include_str!("lua/sweep.lua")
+            )),
+            // Reads only, so it runs on a full store and on a replica too.
+            list: LuaScript::new(concat!(
+                "#!lua flags=no-writes,allow-oom\n",
+                include_str!("lua/index.lua"),
+                include_str!("lua/list.lua")
             )),
             full_probe: LuaScript::new("#!lua\nreturn 1"),
         }

@@ -30,6 +30,12 @@
 //! sweeper empties them. A version-5 binary refuses the store once either new form may be in
 //! it, and messages its listing by key would not find.
 //!
+//! Version 7 lists delivered and recorded messages through buckets of ids (`fx:`, index.lua)
+//! instead of one sorted set per state and partition. It rewrites nothing: what version 6
+//! ended stays in `ix:delivered` and `ix:recorded`, read beside the buckets and left by each
+//! message as it is resent or swept. A version-6 binary refuses the store once messages its
+//! listing by state would not find may be in it.
+//!
 //! Every step is idempotent (members are added with `NX`, a payment is extended only while
 //! it has no member yet, a v2 expiry member leaves with its upgrade), so an upgrade cut short
 //! by a crash is simply run again. The version key is written last. Old processes must be

@@ -122,7 +122,7 @@ if ARGV[16] ~= '' and redis.call('RPUSH', KEYS[3], id) == 1 then
   redis.call('ZADD', KEYS[4], ARGV[16], id)
   if tonumber(ARGV[16]) <= now then wake_dispatchers(KEYS[4]) end
 end
-redis.call('ZADD', KEYS[5], 0, id)
+index_add(KEYS[5], id)
 -- the bucket is named by the key hash's first character, the member by the rest (keys.rs)
 redis.call('ZADD', KEYS[6], 0, string.sub(ARGV[13], 2) .. ':' .. id)
 arrived('n')

@@ -46,8 +46,8 @@ if dels > 0 then
   redis.call('HDEL', KEYS[1], unpack(ARGV, at + 1, at + dels))
 end
 if KEYS[6] ~= KEYS[7] then
-  redis.call('ZREM', KEYS[6], id)
-  redis.call('ZADD', KEYS[7], 0, id)
+  index_remove(KEYS[6], id)
+  index_add(KEYS[7], id)
 end
 if ARGV[3] ~= '' then
   append_history(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]))

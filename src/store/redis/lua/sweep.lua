@@ -14,7 +14,8 @@ local function delete_message(member)
   local id = string.sub(member, 3)
   local f = redis.call('HMGET', key, 'kh', 'state')
   redis.call('DEL', key, prefix .. 'a:' .. id)
-  if f[2] then redis.call('ZREM', prefix .. 'ix:' .. f[2], id) end
+  -- its state's index, bucketed or not (index.lua): the `fx:` name removes it from either
+  if f[2] then index_remove(prefix .. 'fx:' .. f[2], id) end
   if f[1] then
     -- its entry in the key index (keys.rs), or, written by layout 5 and before, in its
     -- key's own sorted set
