@@ -4433,7 +4433,8 @@ mod redis_only {
     }
 
     /// A server that lost its script cache (a restart, a failover) still runs every script,
-    /// called alone (accept, complete, resend) or pipelined over the partitions (claim, sweep).
+    /// called alone (accept, complete, resend) or pipelined over the partitions (claim, sweep,
+    /// a listing by state).
     #[tokio::test]
     async fn scripts_the_server_lost_are_loaded_again() {
         let h = Harness::redis().await;
@@ -4458,6 +4459,17 @@ mod redis_only {
         assert!(done);
         flush();
         let delivered = &leased[0].message.id;
+        let of_state = ListFilter {
+            limit: 10,
+            state: Some(MessageState::Delivered),
+            ..Default::default()
+        };
+        let listed = h.s().list(&of_state).await.unwrap();
+        assert_eq!(
+            super::ids(&listed.messages),
+            std::slice::from_ref(delivered)
+        );
+        flush();
         let mark = resend_mark(T0);
         let effect = h
             .s()

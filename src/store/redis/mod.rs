@@ -343,22 +343,16 @@ impl RedisStore {
     }
 
     /// Sends calls of `script` (see [`script_call`]), a script that writes, so this is a
-    /// [`RedisStore::write`]. A server that restarted since, another server behind the URL, or
-    /// a replica promoted to master has no scripts in its cache: a NOSCRIPT reply loads
-    /// `script` on every primary and sends the calls again.
+    /// [`RedisStore::write`].
     async fn eval<'r, T: FromRedisValue>(
         &self,
         script: &LuaScript,
         request: impl Into<Request<'r>>,
     ) -> Result<T, StoreError> {
         let request = request.into();
-        let (reply, acked) = match self.query_acked(request).await {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                self.load_everywhere(script).await?;
-                self.query_acked(request).await.map_err(unavailable)?
-            }
-            other => other.map_err(unavailable)?,
-        };
+        let (reply, acked) = self
+            .with_script(script, || self.query_acked(request))
+            .await?;
         self.check_acks(acked)?;
         Ok(reply)
     }
@@ -370,25 +364,34 @@ impl RedisStore {
         request: impl Into<Request<'r>>,
     ) -> Result<T, StoreError> {
         let request = request.into();
-        match self.query(request).await {
+        self.with_script(script, || self.query(request)).await
+    }
+
+    /// Sends what calls `script` by its hash. A server that restarted since, another server
+    /// behind the URL, or a replica promoted to master has no scripts in its cache: a NOSCRIPT
+    /// reply loads `script` on every primary and sends the calls again.
+    async fn with_script<T, Sent>(
+        &self,
+        script: &LuaScript,
+        send: impl Fn() -> Sent,
+    ) -> Result<T, StoreError>
+    where
+        Sent: Future<Output = RedisResult<T>>,
+    {
+        match send().await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                self.load_everywhere(script).await?;
-                self.query(request).await.map_err(unavailable)
+                let loads = self
+                    .conn
+                    .on_every_primary(&script.load())
+                    .await
+                    .map_err(unavailable)?;
+                for (_, loaded) in loads {
+                    loaded.map_err(unavailable)?;
+                }
+                send().await.map_err(unavailable)
             }
             other => other.map_err(unavailable),
         }
-    }
-
-    async fn load_everywhere(&self, script: &LuaScript) -> Result<(), StoreError> {
-        let loads = self
-            .conn
-            .on_every_primary(&script.load())
-            .await
-            .map_err(unavailable)?;
-        for (_, loaded) in loads {
-            loaded.map_err(unavailable)?;
-        }
-        Ok(())
     }
 
     /// Sends a round trip that writes; with `store.min_replicas_acked = N > 0` it succeeds only
