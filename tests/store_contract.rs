@@ -459,6 +459,13 @@ async fn a_full_store_refuses_growing_writes_whole_and_goes_on_once_space_frees(
         matches!(s.ping().await, Err(StoreError::Full(_))),
         "ping says the store is full"
     );
+    let delivered = ListFilter {
+        limit: 10,
+        state: Some(MessageState::Delivered),
+        ..Default::default()
+    };
+    let listed = s.list(&delivered).await.expect("a full store still lists");
+    assert_eq!(ids(&listed.messages), std::slice::from_ref(&finished));
 
     let attempt = DeliveryAttempt {
         response: Some(ReceiverAnswer {
@@ -2808,6 +2815,57 @@ async fn everything_of_a_finished_message_is_swept_after_the_retention(h: &Harne
     assert!(everything.is_empty(), "no index entry left behind");
 }
 
+/// Checks a Redis partition's buckets of `state` (index.lua) hold exactly `ids`: each bucket
+/// is named by a bound of the index, holds 1 to 128 ids from its bound up to the next one,
+/// and is a listpack. Answers how many buckets there are.
+fn redis_buckets_hold(
+    server: &RedisServer,
+    partition: u8,
+    state: MessageState,
+    ids: &[MessageId],
+) -> usize {
+    let index = format!("cb:{{p{partition:02}}}:fx:{}", state.as_str());
+    let lines =
+        |args: &[&str]| -> Vec<String> { server.cli(args).lines().map(str::to_string).collect() };
+    let bounds = lines(&["ZRANGE", &index, "0", "-1"]);
+    let mut names: Vec<String> = lines(&["KEYS", &format!("{index}:*")])
+        .into_iter()
+        .map(|k| k[index.len() + 1..].to_string())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names, bounds,
+        "every bucket is named by a bound, and only those"
+    );
+    let mut held = Vec::new();
+    for (i, bound) in bounds.iter().enumerate() {
+        let bucket = format!("{index}:{bound}");
+        let members = lines(&["ZRANGE", &bucket, "0", "-1"]);
+        assert!(
+            (1..=128).contains(&members.len()),
+            "{bucket}: {}",
+            members.len()
+        );
+        assert_eq!(
+            server.cli(&["OBJECT", "ENCODING", &bucket]),
+            "listpack",
+            "{bucket}"
+        );
+        let next = bounds.get(i + 1);
+        for id in &members {
+            assert!(
+                id >= bound && next.is_none_or(|n| id < n),
+                "{id} in {bucket}"
+            );
+        }
+        held.extend(members);
+    }
+    let mut want: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
+    want.sort();
+    assert_eq!(held, want);
+    bounds.len()
+}
+
 /// Hundreds of finished messages in one partition, finished out of order: more than a Redis
 /// bucket of the finished states' index holds (index.lua), so buckets fill, split in the
 /// middle and at the end, and empty. Listing by state finds each message once, in order, a
@@ -2897,18 +2955,16 @@ async fn finished_messages_past_many_buckets_list_in_order_through_resends_and_s
     )
     .await;
     assert_eq!(ids(&all), everything);
-    if let Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } = &h.backend {
-        let buckets = server.cli(&["KEYS", &format!("cb:{{p{partition:02}}}:fx:delivered:*")]);
-        assert!(buckets.lines().count() >= 3, "{buckets}");
-        for bucket in buckets.lines() {
-            let size: usize = server.cli(&["ZCARD", bucket]).parse().unwrap();
-            assert!((1..=128).contains(&size), "{bucket}: {size}");
-            assert_eq!(
-                server.cli(&["OBJECT", "ENCODING", bucket]),
-                "listpack",
-                "{bucket}"
-            );
-        }
+    // On Redis, the buckets themselves (the listings above cannot see an id left behind in
+    // a bucket, since a record is listed only in its state).
+    let buckets_hold = |ids: &[MessageId]| match &h.backend {
+        Backend::Redis(server) | Backend::RedisWithReplica { master: server, .. } => Some(
+            redis_buckets_hold(server, partition, MessageState::Delivered, ids),
+        ),
+        _ => None,
+    };
+    if let Some(buckets) = buckets_hold(&delivered) {
+        assert!(buckets >= 3, "{buckets} buckets");
     }
 
     // Every third delivered message is resent, out of the middle of its bucket, and delivered
@@ -2935,6 +2991,7 @@ async fn finished_messages_past_many_buckets_list_in_order_through_resends_and_s
         assert!(!claimed.is_empty());
         again.extend(claimed);
     }
+    buckets_hold(&left);
     for c in again.iter().rev() {
         assert!(complete(s, c, Completion::Delivered, later).await);
     }
@@ -2942,7 +2999,12 @@ async fn finished_messages_past_many_buckets_list_in_order_through_resends_and_s
         ids(&listed_in(MessageState::Delivered, 50).await),
         delivered
     );
+    buckets_hold(&delivered);
 
+    // Those finished first end first: the sweep empties their buckets and leaves the others'.
+    h.sweep_all(now + RETENTION_SECS as Millis * 1000).await;
+    assert_eq!(ids(&listed_in(MessageState::Delivered, 50).await), pending);
+    buckets_hold(&pending);
     h.sweep_all(later + RETENTION_SECS as Millis * 1000).await;
     assert!(listed_in(MessageState::Delivered, 50).await.is_empty());
     assert!(listed_in(MessageState::Recorded, 50).await.is_empty());
@@ -4316,6 +4378,104 @@ mod redis_only {
             assert!(listed(state).await.is_empty());
         }
         assert_eq!(server.cli(&["KEYS", "cb:*:fx:*"]), "");
+    }
+
+    /// Layout 6's delivered message, resent: it leaves layout 6's set, and once delivered again
+    /// it is in a bucket of layout 7.
+    #[tokio::test]
+    async fn a_sixth_release_delivered_message_is_resent_out_of_its_older_set() {
+        let h = upgraded_fixture(include_str!("fixtures/redis_v6.json"), 6).await;
+        let s = h.s();
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let now = T0 + 10_000;
+        let id = message_of_key(s, "v6/delivered").await.message.id;
+        let older = format!("cb:{{p{:02}}}:ix:delivered", id.partition());
+        assert_eq!(server.cli(&["ZRANGE", &older, "0", "-1"]), id.as_str());
+        let effect = s.resend(&id, resend_mark(now), now + 7 * DAY_MS, now).await;
+        assert_eq!(effect.unwrap(), ResendEffect::Requeued);
+        assert_eq!(server.cli(&["EXISTS", &older]), "0");
+        let lease = claim(s, now, 100)
+            .await
+            .into_iter()
+            .find(|c| c.message.id == id)
+            .expect("the resent message is due");
+        assert!(complete(s, &lease, Completion::Delivered, now).await);
+        redis_buckets_hold(
+            server,
+            id.partition(),
+            MessageState::Delivered,
+            std::slice::from_ref(&id),
+        );
+        let of_state = ListFilter {
+            limit: 10,
+            state: Some(MessageState::Delivered),
+            ..Default::default()
+        };
+        assert_eq!(super::ids(&list_all(s, of_state).await), [id]);
+    }
+
+    /// Ids in order fill each bucket to 127 and start the next; ids a little out of order (as
+    /// completions of concurrent attempts come) fill them nearly as well: a full bucket's
+    /// newest id moves to the next bucket rather than starting one of its own.
+    #[tokio::test]
+    async fn buckets_of_ids_stay_full_in_order_and_a_little_out_of_it() {
+        let h = Harness::redis().await;
+        let s = h.s();
+        let Backend::Redis(server) = &h.backend else {
+            unreachable!()
+        };
+        let partition = partition_of("src/quiet/tx-b-0", s.partitions());
+        let txs: Vec<String> = (0..)
+            .map(|i| format!("tx-b-{i}"))
+            .filter(|tx| partition_of(&format!("src/quiet/{tx}"), s.partitions()) == partition)
+            .take(601)
+            .collect();
+        let record = |tx: &str, at: Millis| {
+            let mut message = inbound("quiet", tx, at);
+            message.id = MessageId::generate(at, &message.ordering_key, s.partitions());
+            message.target_url = None;
+            accept(s, message, at)
+        };
+        let mut ids = Vec::new();
+        for (i, tx) in txs[..300].iter().enumerate() {
+            ids.push(record(tx, T0 + i as Millis).await);
+        }
+        let sizes = |index: &str| -> Vec<String> {
+            let bounds = server.cli(&["ZRANGE", index, "0", "-1"]);
+            bounds
+                .lines()
+                .map(|b| server.cli(&["ZCARD", &format!("{index}:{b}")]))
+                .collect()
+        };
+        let index = format!("cb:{{p{partition:02}}}:fx:recorded");
+        assert_eq!(sizes(&index), ["127", "127", "46"]);
+        redis_buckets_hold(server, partition, MessageState::Recorded, &ids);
+        // The next 300 in blocks of 8, each block newest first.
+        let later = T0 + 10_000;
+        for block in (300..600).collect::<Vec<usize>>().chunks(8) {
+            for &i in block.iter().rev() {
+                ids.push(record(&txs[i], later + i as Millis).await);
+            }
+        }
+        redis_buckets_hold(server, partition, MessageState::Recorded, &ids);
+        assert_eq!(sizes(&index), ["127", "127", "127", "127", "92"]);
+
+        // A bucket lost (evicted, deleted by hand) loses its ids' entries, not the index: an
+        // id below every bound still goes in, where the first bucket was.
+        let first = server.cli(&["ZRANGE", &index, "0", "0"]);
+        assert_eq!(server.cli(&["DEL", &format!("{index}:{first}")]), "1");
+        let early = record(&txs[600], T0 - 1_000).await;
+        let of_state = ListFilter {
+            limit: 1,
+            state: Some(MessageState::Recorded),
+            ..Default::default()
+        };
+        assert_eq!(
+            super::ids(&s.list(&of_state).await.unwrap().messages),
+            [early]
+        );
     }
 
     /// A bucket of the key index too large for a listpack (a skiplist to Redis) still lists

@@ -123,29 +123,21 @@ pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<()
         sampled += avg;
         kinds.push(format!("{kind} {avg:.0} B ({encoding})"));
     }
-    // The key index (layout 6) is shared: a bucket's memory over the messages it lists.
-    let buckets = scan(&mut conn, "cb:*:kx:*", SAMPLE).await?;
-    if let Some(first) = buckets.first() {
-        let usage: u64 = memory_usage(&mut conn, &buckets).await?.iter().sum();
-        let mut pipe = redis::pipe();
-        for bucket in &buckets {
-            pipe.zcard(bucket);
+    // The key index (layout 6) and the buckets of the delivered state's index (layout 7) are
+    // shared: a bucket's memory over the messages it lists.
+    for (kind, pattern) in [
+        ("key index kx:", "cb:*:kx:*"),
+        ("state index fx:delivered:", "cb:*:fx:delivered:*"),
+    ] {
+        if let Some((per, in_bucket, encoding)) = per_member(&mut conn, pattern).await? {
+            sampled += per;
+            kinds.push(format!(
+                "{kind} {per:.0} B a message ({in_bucket:.1} in a bucket, {encoding})"
+            ));
         }
-        let members: Vec<u64> = pipe
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
-        let members: u64 = members.iter().sum();
-        let per = usage as f64 / members.max(1) as f64;
-        let encoding = encoding(&mut conn, first).await?;
-        sampled += per;
-        kinds.push(format!(
-            "key index kx: {per:.0} B a message ({:.1} in a bucket, {encoding})",
-            members as f64 / buckets.len() as f64
-        ));
     }
     report.row(
-        "Redis memory per finished callback, by key (MEMORY USAGE, a sample of each kind; the rest is the state index and expiry-bucket members and the keyspace and expires entries)",
+        "Redis memory per finished callback, by key (MEMORY USAGE, a sample of each kind; the rest is the expiry-bucket members, the keyspace and expires entries, and the state index's bounds)",
         format!(
             "{}; rest {:.0} B",
             kinds.join(", "),
@@ -157,6 +149,31 @@ pub async fn finished(env: &Env, target: &str, report: &mut Report) -> Result<()
         .await
         .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// For a sample of the sorted sets matching `pattern`, each listing many messages: the
+/// `MEMORY USAGE` per member, the members per set, and the first set's encoding.
+async fn per_member(
+    conn: &mut redis::aio::MultiplexedConnection,
+    pattern: &str,
+) -> Result<Option<(f64, f64, String)>, String> {
+    let buckets = scan(conn, pattern, SAMPLE).await?;
+    let Some(first) = buckets.first() else {
+        return Ok(None);
+    };
+    let usage: u64 = memory_usage(conn, &buckets).await?.iter().sum();
+    let mut pipe = redis::pipe();
+    for bucket in &buckets {
+        pipe.zcard(bucket);
+    }
+    let members: Vec<u64> = pipe.query_async(conn).await.map_err(|e| e.to_string())?;
+    let members: u64 = members.iter().sum();
+    let encoding = encoding(conn, first).await?;
+    Ok(Some((
+        usage as f64 / members.max(1) as f64,
+        members as f64 / buckets.len() as f64,
+        encoding,
+    )))
 }
 
 /// Up to `limit` names of keys matching `pattern`.

@@ -75,8 +75,8 @@
 //! too.
 //!
 //! The scripts build some names themselves from the partition prefix (`m:` in claim.lua;
-//! `m:`, `a:`, `ix:`, `fx:`, `ix:k:` and `kx:` in sweep.lua; a bucket's name from its
-//! index's, and `ix:` from `fx:`, in index.lua and list.lua; the expiry buckets in expiry.lua), and `upgrade.rs`
+//! `m:`, `a:`, `fx:`, `ix:k:` and `kx:` in sweep.lua; a bucket's name from its index's, and
+//! `ix:` from `fx:`, in index.lua and list.lua; the expiry buckets in expiry.lua), and `upgrade.rs`
 //! names the keys of versions 1 and 2 on its own, since those layouts are fixed whatever this
 //! one becomes. A change to this layout changes them too, and bumps
 //! [`SCHEMA_VERSION`] with an upgrade from the old one.
@@ -230,9 +230,9 @@ impl Keys {
     pub(super) fn wake(&self) -> String {
         self.key("wake")
     }
-    /// The listing index of `state` (index.lua): the states a message ends in hold the
-    /// retention's messages, kept in buckets (`fx:`, layout 7); the states it passes through
-    /// a sorted set each (`ix:`), whose size is the count of their messages.
+    /// The listing index of `state` (index.lua): delivered and recorded hold nearly all of
+    /// the retention's messages, kept in buckets (`fx:`, layout 7); pending, in flight and
+    /// dead a sorted set each (`ix:`), whose `ZCARD` is the queue depth.
     pub(super) fn index(&self, state: MessageState) -> String {
         match state {
             MessageState::Delivered | MessageState::Recorded => {

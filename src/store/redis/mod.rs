@@ -370,13 +370,13 @@ impl RedisStore {
     /// Sends what calls `script` by its hash. A server that restarted since, another server
     /// behind the URL, or a replica promoted to master has no scripts in its cache: a NOSCRIPT
     /// reply loads `script` on every primary and sends the calls again.
-    async fn with_script<T, Sent>(
+    async fn with_script<T, Reply>(
         &self,
         script: &LuaScript,
-        send: impl Fn() -> Sent,
+        send: impl Fn() -> Reply,
     ) -> Result<T, StoreError>
     where
-        Sent: Future<Output = RedisResult<T>>,
+        Reply: Future<Output = RedisResult<T>>,
     {
         match send().await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
@@ -482,7 +482,8 @@ fn wait_timeout_ms(timeout: Duration) -> u64 {
 }
 
 /// A call of `script` with its `KEYS`, in the order of the script's header; the caller adds
-/// its `ARGV`. Sent alone or added to a pipeline, always through [`RedisStore::eval`].
+/// its `ARGV`. Sent alone or added to a pipeline, always through [`RedisStore::eval`] (or
+/// [`RedisStore::eval_read`] for a script that only reads).
 ///
 /// Redis Cluster runs a script only when all its keys are in one slot, so a call whose keys
 /// span slots is a bug of this engine, caught here in every debug build and test run.

@@ -3,7 +3,8 @@
 -- sees it once, never zero times (src/store/redis/reads.rs).
 -- KEYS: the state indexes
 -- ARGV: 1 the range's start, 2 its end (ZRANGE ... BYLEX bounds), 3 the most ids per index
--- Answers one list of ids, each index's in order.
+-- Answers one list of ids: up to the limit from each index (the buckets' and, for a bucketed
+-- state, as many again from layout 6's set), not merged; the caller sorts them.
 local min, max, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ids = {}
 local function range(key, n)
